@@ -1,0 +1,66 @@
+"""The batchless cut: one custom op per attention layer.
+
+Everything around this op is batchful (runs on the flat token stream). The op itself reads the step's
+attention metadata and KV caches from the forward context, which is set once per step by the model
+runner. The context is the one module-level "current batch" state: it exists because a compiled graph
+cannot take the per-step metadata through the op's arguments without recompiling.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitserve.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    backend: AttentionBackend
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    global _context
+    prev, _context = _context, ctx
+    try:
+        yield
+    finally:
+        _context = prev
+
+
+@torch.library.custom_op("splitserve::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                 num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+    ctx = _context
+    if ctx is None:
+        raise RuntimeError("attention called outside a forward context")
+    T = q.shape[0]
+    head_dim = q.shape[1] // num_heads
+    out = ctx.backend.forward(q.view(T, num_heads, head_dim), k.view(T, num_kv_heads, head_dim),
+                              v.view(T, num_kv_heads, head_dim), ctx.kv_caches[layer_idx], ctx.meta, scale)
+    return out.reshape(T, num_heads * head_dim)
+
+
+@attention_op.register_fake
+def _(q, k, v, layer_idx, num_heads, num_kv_heads, scale):
+    return torch.empty_like(q)
+
+
+class Attention(nn.Module):
+    """Store K/V + attend, for all sequences of the step; q/k/v are [T, heads * head_dim]."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention_op(q, k, v, self.layer_idx, self.num_heads, self.num_kv_heads, self.scale)

@@ -1,0 +1,362 @@
+"""Triton attention over the paged KV cache.
+
+Layouts are those of splitserve/attention/backend.py:
+  q        [T, Hq, D]                 (Hq = G * Hkv, GQA group size G)
+  kv_cache [num_blocks, 2, block_size, Hkv, D]
+Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; they are the LAST q_len_i tokens
+of a context of seq_lens[i] tokens, read through block_tables[i], and attend causally.
+
+Two kernels:
+  * ragged_paged_attention: one launch for any mixed batch (prefill chunks with prefix-cache hits,
+    decode tokens). A program owns one block of BLOCK_Q query tokens of one sequence and one KV head,
+    and processes all G query heads of that KV head together, so each K/V tile loaded from the cache
+    is reused by BLOCK_Q * G query rows (tile rows are (token, head) pairs).
+  * paged_decode_attention: pure-decode batches (one query token per sequence). Split-K: each
+    program covers one slice of a sequence's context for one KV head (all G query heads), writes a
+    partial output plus its log-sum-exp, and a reduce kernel merges the slices. With long contexts
+    and small batches this keeps all SMs busy where one program per (seq, head) would not.
+
+Both use an online softmax in the log2 domain (exp2 is cheaper than exp; scale * log2(e) is folded
+into the logits) with fp32 accumulation. Launch grids depend only on host ints and tensor shapes, and
+the wrappers never read device tensors on the host, so they can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Finite "minus infinity" for the running max: a row whose every logit is masked then yields
+# exp2(-inf - (-1e30)) = 0 instead of the NaN of exp2(-inf - (-inf)).
+_NEG_BIG = -1.0e30
+
+
+def _check_common(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    num_tokens, num_heads, head_dim = q.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert kv_cache.shape[4] == head_dim, (kv_cache.shape, q.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be contiguous"
+    return num_tokens, num_heads, num_kv_heads, head_dim
+
+
+# --------------------------------------------------------------------------------------------------
+# Ragged (mixed prefill + decode) kernel
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _ragged_tile(
+    acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_end, q_pos,
+    stride_cb, stride_ckv, stride_cs, block_size, qk_scale,
+    offs_n, offs_d, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N tile of context positions: gather K/V through the block table, update softmax."""
+    offs = n_start + offs_n
+    if MASKED:
+        n_ok = offs < kv_end
+        blk = tl.load(bt_row_ptr + offs // block_size, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + offs // block_size).to(tl.int64)
+    row = blk * stride_cb + (offs % block_size) * stride_cs + kv_h_off
+    k_ptrs = cache_ptr + row[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+        v = tl.load(k_ptrs + stride_ckv, mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_ckv)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # Causal and bounds in one: position n is visible to a row iff n <= its own position; the
+        # bound n < kv_end matters only for rows past the sequence's last query token.
+        ok = (offs[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _ragged_paged_attn_kernel(
+    q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    block_size,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    pid = tl.program_id(0)
+    kv_h = tl.program_id(1)
+
+    # Map the flat program id to (sequence, query block) without a host-side table: sequence i's
+    # query blocks are numbered from qsl[i] // BLOCK_Q + i. That start is non-decreasing in i and
+    # leaves room for cdiv(q_len_i, BLOCK_Q) blocks, so the grid needs at most T // BLOCK_Q + B
+    # programs; binary-search the last sequence whose start is <= pid.
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        go_right = start <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return  # spare program (grid is an upper bound) or empty sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # context position of the sequence's first query token
+
+    # Tile row r = (token r // GROUP_PAD of this block, query head r % GROUP_PAD of this KV head).
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GROUP_PAD
+    head = kv_h * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+    q_pos = ctx_start + tok
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_h_off = kv_h * stride_ch
+
+    # Positions <= the block's first query position are visible to every row: whole tiles there
+    # skip all masking. Only the remaining tiles (the causal diagonal) pay for masks.
+    first_pos = ctx_start + q_block * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the block's last query position
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    for n_start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_end,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, block_size, qk_scale,
+                                     offs_n, offs_d, False, DOT_PRECISION)
+    for n_start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_end,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, block_size, qk_scale,
+                                     offs_n, offs_d, True, DOT_PRECISION)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padded rows can have l == 0; they are not stored
+    out = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are for accuracy (tests, debugging): keep true fp32 dots, not TF32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
+                           max_seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over the paged cache for a ragged mixed batch; returns [T, Hq, D].
+
+    query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32 (device).
+    max_query_len / max_seq_len are host ints (only used for launch heuristics; max_seq_len is unused
+    today but kept so callers need not change if a split-K prefill path is added).
+    Rows of q not owned by any sequence (index >= query_start_loc[B], e.g. graph padding) are left
+    unwritten in out.
+    """
+    num_tokens, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert block_tables.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # ~64 tile rows per program: enough work to amortise each K/V tile, and tl.dot needs >= 16 rows.
+    # Decode-only batches (max_query_len == 1) need just one token per block.
+    block_q = max(1, min(64 // group_pad, triton.next_power_of_2(max(1, max_query_len))))
+    block_q = max(block_q, triton.cdiv(16, group_pad))
+    block_n = 64 if head_dim <= 64 else 32
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _ragged_paged_attn_kernel[grid](
+        q, out, kv_cache, query_start_loc, seq_lens, block_tables,
+        num_seqs, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        kv_cache.shape[2],
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Split-K decode kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    block_size, num_heads,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Each split gets a BLOCK_N-aligned slice, sized from this sequence's own length, so short
+    # sequences in a batch with long ones do not leave most splits idle with tiny slices.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_lo = split * chunk
+    n_hi = tl.minimum(n_lo + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head = kv_h * GROUP + offs_h
+    h_ok = offs_h < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_h_off = kv_h * stride_ch
+    # The only query token sits at position seq_len - 1, so there is no causal mask: just bounds.
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        offs = n_start + offs_n
+        n_ok = offs < n_hi
+        blk = tl.load(bt_row_ptr + offs // block_size, mask=n_ok, other=0).to(tl.int64)
+        row = blk * stride_cb + (offs % block_size) * stride_cs + kv_h_off
+        k_ptrs = cache_ptr + row[:, None] + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(k_ptrs + stride_ckv, mask=n_ok[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # split past the end of this sequence (or seq_len == 0: a padding slot)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        # Nothing to merge: write the final output directly and skip the reduce launch.
+        o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+    else:
+        # part_o [B, Hq, NUM_SPLITS, D] fp32, part_lse [B, Hq, NUM_SPLITS] fp32 (log2 domain).
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + base, lse, mask=h_ok)
+        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    o_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_heads,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    # Merge the splits of one (sequence, query head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len == 0): output zeros
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    part = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 132  # H100 SXM; only reached on CPU (interpreter), where it just picks a split count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None) -> int:
+    """Split count for the decode kernel: enough (seq, head, split) programs to fill the GPU about
+    twice over, but never slices shorter than 256 positions (the merge would cost more than it
+    saves), capped at 32. Rounded to a power of two so a graph captured per batch size sees few
+    distinct values."""
+    idx = device.index if device is not None and device.type == "cuda" and device.index is not None else 0
+    want = triton.cdiv(2 * _num_sms(idx), max(1, num_seqs * num_kv_heads))
+    by_len = triton.cdiv(max(1, max_seq_len), 256)
+    n = max(1, min(want, by_len, 32))
+    return 1 << (n - 1).bit_length() if n & (n - 1) else n
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, max_seq_len: int, scale: float,
+                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention, one query token per sequence: q [B, Hq, D] (row b belongs to sequence b,
+    the token at position seq_lens[b] - 1); returns [B, Hq, D]. Split-K over the context with
+    num_splits slices (default from default_num_splits; pass a fixed value for CUDA-graph capture).
+    Sequences with seq_len == 0 (padding) produce zeros.
+    """
+    num_seqs, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
+    assert seq_lens.shape[0] == num_seqs, (seq_lens.shape, q.shape)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_seqs == 0:
+        return out
+    assert block_tables.stride(-1) == 1
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    assert num_splits >= 1
+    group = num_heads // num_kv_heads
+    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows; extra rows are masked
+    block_n = 64 if head_dim <= 64 else 32
+    if num_splits > 1:
+        part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, out, part_o, part_lse, kv_cache, seq_lens, block_tables,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        kv_cache.shape[2], num_heads,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_o, part_lse, out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out

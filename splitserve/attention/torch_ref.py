@@ -1,0 +1,56 @@
+"""Reference attention backend: gathers each sequence's blocks and calls SDPA. The oracle for all others."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes k/v rows to their slots; rows with slot -1 (padding) are skipped."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+
+
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first seq_len positions: [seq_len, num_kv_heads, head_dim] each."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = kv_cache[block_table[:num_blocks].long()]  # [nb, 2, bs, H, D]
+    k = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:seq_len]
+    v = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:seq_len]
+    return k, v
+
+
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+    qsl = meta.query_start_loc_cpu.tolist()
+    for i, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+        # [H, L, D] layout for SDPA; GQA by repeating KV heads.
+        qi = q[start:end].transpose(0, 1).float()
+        ki = k.transpose(0, 1).float().repeat_interleave(num_heads // num_kv_heads, dim=0)
+        vi = v.transpose(0, 1).float().repeat_interleave(num_heads // num_kv_heads, dim=0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        store_kv_ref(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention_ref(q, kv_cache, meta, scale)

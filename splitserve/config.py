@@ -1,0 +1,89 @@
+"""Small frozen configuration dataclasses. Validation raises ValueError naming the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about the model, read from an HF config (or a GGUF's metadata)."""
+    hf_config: Any
+    model_path: str  # directory or .gguf file, resolved
+    architecture: str
+    dtype: Any  # torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # None: sized from free memory (CUDA) or cpu_kv_cache_gib (CPU)
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8..128 (power of two), got {self.block_size}")
+        _require(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+        _require(self.cpu_kv_cache_gib > 0, f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # per-step token budget; prompts longer than it are chunked
+    max_model_len: int = 0  # filled from the model when 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    enforce_eager: bool = False
+    cudagraph_batch_sizes: tuple[int, ...] = field(
+        default_factory=lambda: (1, 2, 4, 8) + tuple(range(16, 257, 8)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    compile: CompileConfig
+    device: str
+    attention_backend: str

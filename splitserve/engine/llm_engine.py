@@ -1,0 +1,212 @@
+"""The synchronous engine: add requests, step, collect outputs. The async server front and the offline
+`LLM` class both drive this."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig,
+                               SchedulerConfig)
+from splitserve.core.kv_cache_manager import KVCacheManager
+from splitserve.core.scheduler import Scheduler
+from splitserve.engine.output_processor import RequestOutput, RequestState
+from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
+from splitserve.models.resolve import load_tokenizer, resolve_model
+from splitserve.request import Request, RequestStatus
+from splitserve.sampling_params import SamplingParams
+from splitserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None  # None: cuda if available, else cpu
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # None: triton on CUDA, torch_ref on CPU
+    enforce_eager: bool = False
+    random_weights: bool = False
+    served_model_name: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs):
+        args = args or EngineArgs(**kwargs)
+        self.args = args
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        source = resolve_model(args.model)
+        self.source = source
+        self.model_name = args.served_model_name or source.name
+        hf_config = load_hf_config(source)
+        dtype = resolve_dtype(args.dtype, hf_config, device)
+        self.tokenizer = load_tokenizer(source)
+
+        context = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if args.max_model_len is not None and args.max_model_len > context:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
+        max_model_len = args.max_model_len or context
+        eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
+        eos |= set(read_generation_eos(source))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+        arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
+        self.config = EngineConfig(
+            model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
+                              tuple(sorted(eos))),
+            cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
+                              args.cpu_kv_cache_gib, args.enable_prefix_caching),
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
+            parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
+            device=device, attention_backend=backend)
+        self.runner = ModelRunner(self.config, model)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
+        self.kv_capacity_tokens = num_blocks * args.block_size
+        self.states: dict[str, RequestState] = {}
+        self._child_to_state: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready: %s (%s) on %s, %s, backend %s", self.model_name, arch, device, dtype, backend)
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Checks a tokenized request against the model and cache; returns its total-token cap."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        limit = self.config.model.max_model_len
+        n = len(prompt_ids)
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens, but the model's context is {limit} tokens "
+                             f"(max_model_len), leaving no room for output")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                             f"tokens exceeds the model's context of {limit} tokens")
+        total = limit if params.max_tokens is None else n + params.max_tokens
+        need = n + (params.max_tokens or 1)  # without max_tokens, output is capped by the cache instead
+        if need > self.kv_capacity_tokens:
+            raise ValueError(f"request needs {need} tokens of KV cache, but the cache holds only "
+                             f"{self.kv_capacity_tokens} tokens")
+        return min(total, self.kv_capacity_tokens)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize_prompt(prompt)
+        total = self.validate(prompt_ids, params)
+        arrival = arrival_time or time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.for_child(i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, prompt_ids, child_params, self.config.model.eos_token_ids,
+                                    total, arrival))
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
+        self.states[request_id] = state
+        for child in children:
+            self._child_to_state[child.request_id] = state
+            self.scheduler.add_request(child)
+        return request_id
+
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Ends requests wherever they are and frees their blocks; returns their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for rid in ids:
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            self.scheduler.finish_requests([c.request.request_id for c in state.children], RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._finish_output(state))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for request, _ in sched.scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        try:
+            result = self.runner.execute(sched)
+        except Exception:
+            # A failed step fails its requests, not the engine.
+            logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
+            failed = {self._child_to_state[r.request_id] for r, _ in sched.scheduled}
+            for state in failed:
+                self.scheduler.finish_requests([c.request.request_id for c in state.children], RequestStatus.FINISHED_ERROR)
+            return [self._finish_output(s) for s in failed]
+        for rid, entry in result.logprobs.items():
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                request.output_logprobs.append(entry)
+        updated = self.scheduler.update(sched, result.tokens)
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for request in updated:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            state = self._child_to_state[request.request_id]
+            child = state.children[int(request.request_id.rsplit("#", 1)[1]) if len(state.children) > 1 else 0]
+            stop = state.process_tokens(child, 1)
+            if stop is not None:
+                request.stop_reason = stop
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            outputs.append(self._finish_output(state) if state.finished else state.make_output())
+        return outputs
+
+    def _finish_output(self, state: RequestState) -> RequestOutput:
+        out = state.make_output()
+        if state.finished:
+            self.states.pop(state.request_id, None)
+            for c in state.children:
+                self._child_to_state.pop(c.request.request_id, None)
+        return out
+
+    # -- stats -----------------------------------------------------------------------------------
+    def kv_usage(self) -> float:
+        return self.kv_manager.usage()

@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama 2/3, Mistral-style, Qwen2-style QKV bias) on the flat token stream.
+
+Every layer here is batchful: it sees [num_tokens, hidden] with the tokens of all requests of the step
+concatenated. Only `Attention` (the custom op) knows which token belongs to which sequence.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from splitserve.attention.layer import Attention
+from splitserve.layers.activation import silu_and_mul
+from splitserve.layers.linear import Linear, MergedLinear
+from splitserve.layers.norm import RMSNorm
+from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, bias: bool, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False) and bias)
+        self.rotary = rotary  # one table shared by all layers
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
+        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous())
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
+                                                              "up": config.intermediate_size}, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Qwen2 checkpoints always carry q/k/v biases; Llama ones only with attention_bias=true.
+    qkv_bias_default = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, rotary)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden] final hidden states."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+    _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads HF-named tensors; returns the names of parameters that were filled."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            module_name, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            if leaf in self._STACKED:
+                merged, shard = self._STACKED[leaf]
+                target = f"{parent}.{merged}"
+                modules[target].load(param_name, tensor, shard)
+                loaded.add(f"{target}.{param_name}")
+            elif name in params:
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True

@@ -1,0 +1,22 @@
+"""HF `architectures` name -> model class, imported lazily."""
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("splitserve.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("splitserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("splitserve.models.llama", "Qwen2ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str] | None):
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return arch, getattr(importlib.import_module(module), name)
+    raise ValueError(f"unsupported model architecture {architectures}; supported: {', '.join(supported_architectures())}")

