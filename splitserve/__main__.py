@@ -1,0 +1,5 @@
+import sys
+
+from splitserve.entrypoints.cli import main
+
+sys.exit(main())

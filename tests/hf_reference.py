@@ -1,0 +1,35 @@
+"""Independent references from Hugging Face transformers: tiny random checkpoints and greedy runs."""
+from __future__ import annotations
+
+import torch
+
+
+def make_tiny_llama_dir(path, tokenizer, *, num_kv_heads: int, tie: bool, seed: int = 0,
+                        arch: str = "llama", **overrides) -> str:
+    """Saves a random tiny Llama-family checkpoint + the given tokenizer into path; returns path."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+              tie_word_embeddings=tie, initializer_range=0.2, rms_norm_eps=1e-6,
+              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities, one prompt at a time (no padding effects)."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                         eos_token_id=None)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
