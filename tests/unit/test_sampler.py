@@ -1,0 +1,100 @@
+import torch
+
+from splitserve.layers.sampler import Sampler
+from splitserve.request import Request
+from splitserve.sampling_params import SamplingParams
+
+V = 50
+
+
+def req(rid, prompt=(1, 2, 3), output=(), **params):
+    r = Request(rid, list(prompt), SamplingParams(**params), eos_token_ids=(0,), max_total_tokens=100)
+    r.output_token_ids = list(output)
+    return r
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, V)
+    out = Sampler()(logits, [req(str(i), temperature=0) for i in range(4)])
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_is_independent_of_the_batch():
+    torch.manual_seed(0)
+    row = torch.randn(V)
+    alone = req("s", seed=123, temperature=1.0)
+    seq_alone = [Sampler()(row[None].clone(), [alone]).token_ids.item() for _ in range(20)]
+    mixed = req("s", seed=123, temperature=1.0)
+    others = [req("u", temperature=0.8), req("g", temperature=0), req("t", seed=9, top_k=5)]
+    seq_mixed = []
+    for _ in range(20):
+        batch = [others[0], mixed, others[1], others[2]]
+        logits = torch.randn(4, V)
+        logits[1] = row
+        seq_mixed.append(Sampler()(logits, batch).token_ids[1].item())
+    assert seq_alone == seq_mixed
+    assert len(set(seq_alone)) > 1  # it does sample, not argmax
+
+
+def test_truncations_reduce_to_argmax_when_extreme():
+    logits = torch.randn(3, V)
+    batch = [req("k", top_k=1), req("p", top_p=1e-6), req("m", min_p=1.0)]
+    assert Sampler()(logits, batch).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_only_k_tokens():
+    logits = torch.randn(1, V)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    r = req("k", top_k=3, temperature=5.0)
+    got = {Sampler()(logits, [r]).token_ids.item() for _ in range(200)}
+    assert got <= allowed and len(got) == 3
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(1)
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log()[None].repeat(4000, 1)
+    tokens = Sampler()(logits, [req(str(i), temperature=1.0) for i in range(4000)]).token_ids
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+    logits = torch.randn(1, V)
+    r = req("r", prompt=(4, 5, 6), output=(7, 5), repetition_penalty=1.3, temperature=0)
+    ours = Sampler._apply_penalties(logits, [r])
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([[4, 5, 6, 7, 5]]), logits.clone())
+    assert torch.allclose(ours, ref)
+
+
+def test_presence_and_frequency_penalties():
+    logits = torch.zeros(1, V)
+    r = req("r", prompt=(9,), output=(3, 3, 4), presence_penalty=0.5, frequency_penalty=0.25, temperature=0)
+    ours = Sampler._apply_penalties(logits, [r])[0]
+    expected = torch.zeros(V)
+    expected[3] = -(0.5 + 2 * 0.25)
+    expected[4] = -(0.5 + 1 * 0.25)
+    assert torch.allclose(ours, expected)  # prompt token 9 untouched
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.full((1, V), -10.0)
+    logits[0, 0] = 10.0   # eos
+    logits[0, 5] = 9.0    # stop id
+    logits[0, 6] = 1.0
+    r = req("r", min_tokens=2, stop_token_ids=[5], temperature=0)
+    assert Sampler()(logits.clone(), [r]).token_ids.item() == 6
+    r.output_token_ids = [6, 6]
+    assert Sampler()(logits.clone(), [r]).token_ids.item() == 0
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.randn(2, V)
+    batch = [req("a", logprobs=3, temperature=0), req("b", temperature=0)]
+    out = Sampler()(logits, batch)
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs.shape == (2, 4)
+    assert torch.allclose(out.logprobs[0, 0], ref[0].max())
+    assert torch.allclose(out.logprobs[0, 1:], ref[0].topk(3).values)
+    assert out.logprob_ids[0, 1:].tolist() == ref[0].topk(3).indices.tolist()
