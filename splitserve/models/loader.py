@@ -1,6 +1,7 @@
 """Builds a model and streams a checkpoint into it: HF safetensors directories and GGUF files."""
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -19,10 +20,46 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: str):
+    """One parsed (memory-mapped) reader per file, shared by the config and the weight loader."""
+    import gguf
+    return gguf.GGUFReader(path)
+
+
+def gguf_hf_config(path: str):
+    """An HF config from a GGUF file's metadata. Reading the few keys directly is much faster than
+    transformers' converter, which parses the whole file (vocabulary included) to get them."""
+    from transformers import AutoConfig
+    reader = gguf_reader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
+    arch = meta["general.architecture"]
+    if arch not in _ARCH_BY_MODEL_TYPE:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCH_BY_MODEL_TYPE)}")
+    names = {t.name for t in reader.tensors}
+    heads = meta[f"{arch}.attention.head_count"]
+    hidden = meta[f"{arch}.embedding_length"]
+    kw = dict(
+        hidden_size=hidden, intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_hidden_layers=meta[f"{arch}.block_count"], num_attention_heads=heads,
+        num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
+        max_position_embeddings=meta[f"{arch}.context_length"],
+        rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+        rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        head_dim=meta.get(f"{arch}.attention.key_length", hidden // heads),
+        vocab_size=meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
+    config = AutoConfig.for_model(arch, **kw)
+    config.architectures = [_ARCH_BY_MODEL_TYPE[arch]]
+    return config
+
+
 def load_hf_config(source: ModelSource):
     from transformers import AutoConfig
     if source.gguf_file:
-        config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+        config = gguf_hf_config(source.path)
     else:
         config = AutoConfig.from_pretrained(source.directory)
     if not getattr(config, "architectures", None):
@@ -78,9 +115,8 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def iter_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
     from gguf.quants import dequantize
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     arch = reader.fields["general.architecture"].contents()
     n_head, n_kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     for t in reader.tensors:

@@ -5,8 +5,10 @@ Nothing here downloads: a repo id not in the local Hugging Face cache fails with
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -63,11 +65,31 @@ def resolve_model(model: str | None) -> ModelSource:
     raise FileNotFoundError(f"model path {model!r} does not exist")
 
 
+def _cache_dir() -> str:
+    return os.environ.get("SPLITSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
+
+
 def load_tokenizer(source: ModelSource | str | None):
-    """The model's Hugging Face tokenizer (with its chat template)."""
+    """The model's Hugging Face tokenizer (with its chat template). A GGUF file's tokenizer is
+    converted once by transformers and kept in a local cache: the conversion takes seconds."""
     from transformers import AutoTokenizer
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
-    if source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    return AutoTokenizer.from_pretrained(source.directory)
+    if not source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.directory)
+    stat = os.stat(source.path)
+    key = hashlib.sha256(f"{os.path.abspath(source.path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_dir(), "tokenizers", key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception:  # a broken cache entry is rebuilt below
+            pass
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    try:
+        tmp = f"{cached}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached) if not os.path.exists(cached) else shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tokenizer
