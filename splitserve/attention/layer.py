@@ -19,7 +19,6 @@ from splitserve.attention.backend import AttentionBackend, AttentionMetadata
 @dataclass
 class ForwardContext:
     meta: AttentionMetadata
-    kv_caches: list[torch.Tensor]
     backend: AttentionBackend
 
 
@@ -36,8 +35,12 @@ def forward_context(ctx: ForwardContext):
         _context = prev
 
 
+# The op writes the step's K/V into kv_cache, yet declares no mutation: nothing else in a graph reads
+# the cache, and a declared mutation would make the compiler functionalize (copy) a multi-GB tensor.
+# The cache is an argument (not looked up by layer index) so every decoder layer traces to the same
+# graph and compiles once.
 @torch.library.custom_op("splitserve::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
     ctx = _context
     if ctx is None:
@@ -45,12 +48,12 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: i
     T = q.shape[0]
     head_dim = q.shape[1] // num_heads
     out = ctx.backend.forward(q.view(T, num_heads, head_dim), k.view(T, num_kv_heads, head_dim),
-                              v.view(T, num_kv_heads, head_dim), ctx.kv_caches[layer_idx], ctx.meta, scale)
+                              v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale)
     return out.reshape(T, num_heads * head_dim)
 
 
 @attention_op.register_fake
-def _(q, k, v, layer_idx, num_heads, num_kv_heads, scale):
+def _(q, k, v, kv_cache, num_heads, num_kv_heads, scale):
     return torch.empty_like(q)
 
 
@@ -61,6 +64,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
+        # This layer's paged cache [num_blocks, 2, block_size, num_kv_heads, head_dim]; bound by the
+        # model runner once memory is sized. A buffer, so compiled graphs take it as an input.
+        self.register_buffer("kv_cache", torch.empty(0), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention_op(q, k, v, self.layer_idx, self.num_heads, self.num_kv_heads, self.scale)
+        return attention_op(q, k, v, self.kv_cache, self.num_heads, self.num_kv_heads, self.scale)

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from splitserve.request import Request, RequestStatus
 
+try:
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # pragma: no cover - tokenizers is a transformers dependency
+    _DecodeStream = None
+
 # Prompt tokens kept as left context so the first output tokens decode as they would mid-text.
 _CONTEXT_TOKENS = 6
 
@@ -20,8 +25,21 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
+        # Fast tokenizers decode incrementally in Rust (~1 us a token instead of two Python decodes).
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        if self._backend is not None and _DecodeStream is not None:
+            try:
+                self._stream = _DecodeStream(ids=self.tokens, skip_special_tokens=skip_special_tokens)
+            except TypeError:  # older tokenizers: no priming ids
+                self._stream = None
 
     def add(self, token_id: int) -> str:
+        if self._stream is not None:
+            try:
+                return self._stream.step(self._backend, token_id) or ""
+            except Exception:  # e.g. an id outside the tokenizer's vocabulary (random-weight models)
+                return ""
         self.tokens.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)

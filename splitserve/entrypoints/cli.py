@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from splitserve.bench.cli import register
-    register(bench_sub)
+    from splitserve.bench import cli as bench_cli, throughput
+    bench_cli.register(bench_sub)
+    throughput.register(bench_sub)
 
     args = parser.parse_args(argv)
     try:

@@ -31,11 +31,11 @@ class Sampler:
             logits = self._apply_penalties(logits, requests)
         self._mask_min_tokens(logits, requests)
 
-        greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        greedy = [p.greedy for p in params]  # decided on the host: no device sync
+        if not all(greedy):
             sampled = self._sample(logits, requests)
-            tokens = torch.where(greedy, tokens, sampled)
+            tokens = torch.where(torch.tensor(greedy).to(device, non_blocking=True), tokens, sampled)
 
         out = SamplerOutput(tokens)
         if raw_logprobs is not None:

@@ -6,19 +6,46 @@ num_computed_tokens on and its block ids, and lays them out as one ragged batch.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from splitserve.attention.backend import AttentionMetadata, get_backend
-from splitserve.attention.layer import ForwardContext, forward_context
+from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.config import EngineConfig
 from splitserve.core.scheduler import SchedulerOutput
 from splitserve.layers.sampler import Sampler
 from splitserve.request import Request
+from splitserve.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
+
+
+class _Staging:
+    """Host buffers the step's inputs are written into (numpy views) and copied to the device from.
+    Pinned on CUDA so the copies are asynchronous. Reusing them is safe: every step ends with a host
+    sync on the sampled tokens, after which no copy from the previous step is pending."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, pin: bool):
+        def buf(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.tensors = {
+            "input_ids": buf(max_tokens, torch.long), "positions": buf(max_tokens, torch.long),
+            "slot_mapping": buf(max_tokens, torch.long), "logits_indices": buf(max_seqs, torch.long),
+            "query_start_loc": buf(max_seqs + 1, torch.int32), "seq_lens": buf(max_seqs, torch.int32),
+            "block_tables": buf((max_seqs, max_blocks), torch.int32)}
+        for name, tensor in self.tensors.items():
+            setattr(self, name, tensor.numpy())
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """torch.compile (Inductor) of each decoder layer: the batchful segments around the attention
+    op, which stays opaque inside the graph. The token count is dynamic; all layers share one graph
+    (same code, weights and cache passed as inputs), so compilation happens once."""
+    for layer in model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
 
 
 @dataclass
@@ -46,6 +73,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.staging = _Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                self.max_blocks_per_seq, pin=self.device.type == "cuda")
+        self.graphs: DecodeGraphs | None = None
 
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -64,7 +94,7 @@ class ModelRunner:
             sched = self.config.scheduler
             m = self.config.model
             act = sched.max_num_batched_tokens * m.hf_config.hidden_size * 2 * 16 + \
-                sched.max_num_seqs * m.vocab_size * 4 * 4 + (512 << 20)
+                max(sched.max_num_seqs, 512) * m.vocab_size * 4 * 4 + (1 << 30)
             budget = total * cache.gpu_memory_utilization - (total - free) - act
         else:
             budget = cache.cpu_kv_cache_gib * (1 << 30)
@@ -77,62 +107,121 @@ class ModelRunner:
         m = self.config.model
         shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=m.dtype, device=self.device) for _ in range(m.num_layers)]
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.kv_cache = self.kv_caches[module.layer_idx]
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block() / (1 << 30))
+
+    # -- fast path (CUDA) --------------------------------------------------------------------------
+    def setup_fast_path(self) -> None:
+        """Compiles the decoder layers and captures decode CUDA graphs (CUDA without enforce_eager)."""
+        if self.device.type != "cuda" or self.config.compile.enforce_eager:
+            return
+        start = time.perf_counter()
+        compile_decoder_layers(self.model)
+        sizes = [b for b in self.config.compile.cudagraph_batch_sizes if b <= self.config.scheduler.max_num_seqs]
+        if self.backend.name == "triton":
+            from splitserve.attention.ops.paged_attention import default_num_splits
+            from splitserve.attention.triton_backend import TritonBackend
+            m = self.config.model
+            backends = {bs: TritonBackend(default_num_splits(bs, m.num_kv_heads, m.max_model_len, self.device))
+                        for bs in sizes}
+            factory = backends.__getitem__
+        else:
+            factory = lambda bs: self.backend  # noqa: E731
+        self.graphs = DecodeGraphs(self.model, factory, sizes, self.max_blocks_per_seq,
+                                   self.config.model.max_model_len, self.device)
+        self._warm_up_eager()
+        self.graphs.capture()
+        logger.info("fast path ready in %.1f s", time.perf_counter() - start)
+
+    def _warm_up_eager(self) -> None:
+        """Runs the compiled model once at a multi-token size so compilation happens at start-up, not
+        on the first request. Writes go to slot -1 only, so the cache is untouched."""
+        n = min(self.config.scheduler.max_num_batched_tokens, 256)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([n], dtype=torch.int32))
+        with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend)):
+            self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device))
 
     # -- one step --------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
+        st = self.staging
         num_seqs = len(sched.scheduled)
         counts = np.fromiter((n for _, n in sched.scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((r.num_computed_tokens for r, _ in sched.scheduled), dtype=np.int64, count=num_seqs)
         seq_lens = starts + counts
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
+        qsl = st.query_start_loc[:num_seqs + 1]
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:])
+        total = int(qsl[-1])
+        max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // bs)
 
-        input_ids = np.empty(total, dtype=np.int64)
-        block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        input_ids = st.input_ids[:total]
+        block_tables = st.block_tables[:num_seqs, :width]
         sample_requests, logits_indices = [], []
         for i, (request, n) in enumerate(sched.scheduled):
             s = int(starts[i])
-            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = request.token_slice(s, s + n)
-            block_tables[i, :len(request.block_ids)] = request.block_ids
+            input_ids[qsl[i]:qsl[i + 1]] = request.token_slice(s, s + n)
+            ids = request.block_ids
+            block_tables[i, :len(ids)] = ids if len(ids) <= width else ids[:width]
             if s + n == request.num_tokens:
                 sample_requests.append(request)
-                logits_indices.append(int(query_start_loc[i + 1]) - 1)
+                logits_indices.append(int(qsl[i + 1]) - 1)
 
         # position of every token = its sequence's start + offset within the step's chunk
         seq_index = np.repeat(np.arange(num_seqs), counts)
-        positions = starts[seq_index] + (np.arange(total) - query_start_loc[:-1][seq_index])
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        positions = st.positions[:total]
+        positions[:] = starts[seq_index] + (np.arange(total) - qsl[:-1][seq_index])
+        slot_mapping = st.slot_mapping[:total]
+        slot_mapping[:] = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        st.seq_lens[:num_seqs] = seq_lens
+        st.logits_indices[:len(logits_indices)] = logits_indices
 
+        t = st.tensors
         dev = self.device
-        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        max_blocks = int(-(-seq_lens.max() // bs))
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[:, :max_blocks])).to(dev, non_blocking=True),
-            max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu)
+            slot_mapping=t["slot_mapping"][:total].to(dev, non_blocking=True),
+            query_start_loc=t["query_start_loc"][:num_seqs + 1].to(dev, non_blocking=True),
+            seq_lens=t["seq_lens"][:num_seqs].to(dev, non_blocking=True),
+            block_tables=t["block_tables"][:num_seqs, :width].to(dev, non_blocking=True),
+            max_query_len=int(counts.max()), max_seq_len=max_seq_len,
+            query_start_loc_cpu=t["query_start_loc"][:num_seqs + 1].clone(),
+            seq_lens_cpu=t["seq_lens"][:num_seqs].clone())
         return ForwardBatch(
-            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            input_ids=t["input_ids"][:total].to(dev, non_blocking=True),
+            positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True),
+            logits_indices=t["logits_indices"][:len(logits_indices)].to(dev, non_blocking=True),
             sample_requests=sample_requests)
+
+    def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        meta = batch.meta
+        num_seqs = meta.num_seqs
+        if (self.graphs is not None and meta.is_pure_decode and batch.input_ids.shape[0] == num_seqs
+                and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
+            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta.slot_mapping,
+                                   meta.seq_lens, meta.block_tables)
+        with forward_context(ForwardContext(meta, self.backend)):
+            hidden = self.model(batch.input_ids, batch.positions)
+        if not batch.sample_requests:
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         batch = self.prepare(sched)
-        with forward_context(ForwardContext(batch.meta, self.kv_caches, self.backend)):
-            hidden = self.model(batch.input_ids, batch.positions)
-        if not batch.sample_requests:
+        logits = self._forward_logits(batch)
+        if logits is None:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
         out = self.sampler(logits, batch.sample_requests)
         tokens = out.token_ids.tolist()  # the step's one host sync
         ids = [r.request_id for r in batch.sample_requests]
