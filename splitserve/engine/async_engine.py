@@ -25,6 +25,9 @@ from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# How long the engine thread waits when the engine has work but could not schedule any of it.
+_IDLE_BACKOFF_S = 0.005
+
 
 class EngineOverloadedError(RuntimeError):
     """The wait queue is full; the caller should retry later (HTTP 503)."""
@@ -243,8 +246,8 @@ class AsyncLLMEngine:
                     while not (self._commands or self._stopping or engine.has_unfinished_requests()):
                         self._cond.wait()
                     commands, self._commands = self._commands, []
-                    self._num_pending_adds = 0
                     stopping = self._stopping
+                num_adds = sum(1 for c in commands if c[0] == "add")
                 outputs: list[RequestOutput] = []
                 errors: list[tuple[str, BaseException]] = []
                 # Commands in arrival order, so an abort that follows its add finds the request.
@@ -263,9 +266,15 @@ class AsyncLLMEngine:
                     self._snapshot()
                     self._post(outputs, errors)
                     return
+                stepped_idle = False
                 if engine.has_unfinished_requests():
                     try:
-                        outputs.extend(engine.step())
+                        started = time.monotonic()
+                        step_outputs = engine.step()
+                        outputs.extend(step_outputs)
+                        # A step that produced nothing and took no time scheduled nothing (work it
+                        # cannot admit yet): back off below instead of spinning on it.
+                        stepped_idle = not step_outputs and time.monotonic() - started < 1e-3
                     except Exception as e:
                         # The step raised outside the model call (which fails only its own batch):
                         # fail everything in flight and keep serving new requests.
@@ -279,6 +288,12 @@ class AsyncLLMEngine:
                         errors.extend((rid, EngineRequestError(f"engine step failed: {e}")) for rid in ids)
                 self._snapshot()
                 self._post(outputs, errors)
+                with self._cond:
+                    # Only now are these adds visible in the snapshot's waiting count; until
+                    # here they counted as pending, so the queue limit never under-counts.
+                    self._num_pending_adds -= num_adds
+                    if stepped_idle and not commands and not self._commands:
+                        self._cond.wait(_IDLE_BACKOFF_S)
         except BaseException as e:  # a bug in this loop: fail every request, report unhealthy
             logger.exception("engine thread died")
             self._dead = e

@@ -1,0 +1,364 @@
+"""Completion and chat handlers: requests into engine streams, engine outputs into OpenAI bodies.
+
+Streaming follows the OpenAI wire format: `data: <json>\\n\\n` events, each choice's finish_reason
+sent exactly once, an optional usage chunk with `choices: []`, then `data: [DONE]`. A client that
+goes away aborts its requests: for streams Starlette cancels the body generator when it sees the
+disconnect; for plain responses a watcher task waits for the disconnect message.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from functools import lru_cache
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from splitserve.engine.async_engine import (AsyncLLMEngine, EngineOverloadedError, EngineRequestError,
+                                            EngineShutdownError, RequestStream)
+from splitserve.engine.output_processor import CompletionOutput, RequestOutput
+from splitserve.entrypoints.openai.protocol import (
+    APIError, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse,
+    TokenLogprob, TopLogprob, UsageInfo)
+from splitserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def json_response(body: BaseModel, status: int = 200) -> Response:
+    """Serialized by pydantic, which writes a non-finite float (a -inf logprob) as null where
+    json.dumps would raise."""
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.model_root = model_root
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.model.max_model_len
+        # Single-token decodes for logprobs; the vocabulary is fixed, so caching is safe.
+        self.token_text = lru_cache(maxsize=65536)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- shared ---------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, extra: dict | None = None) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
+                           param="messages")
+        conversation = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.type == "text" and part.text is not None:
+                        texts.append(part.text)
+                    elif part.type in ("image_url", "input_image", "image"):
+                        raise APIError(400, f"model `{self.model_name}` does not accept images",
+                                       param=f"messages[{i}].content")
+                    else:
+                        raise APIError(400, f"unsupported content part type {part.type!r}",
+                                       param=f"messages[{i}].content")
+                content = "\n".join(texts)
+            conversation.append({"role": m.role, "content": content or ""})
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # continuing the last message leaves no room for a new turn
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                continue_final_message=continue_final_message, **(extra or {}))
+        except Exception as e:  # template errors come from user content (roles, ordering)
+            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
+        try:
+            return self.engine.add_request(request_id, prompt, params)
+        except EngineOverloadedError as e:
+            raise overloaded(str(e)) from None
+        except EngineShutdownError as e:
+            raise overloaded(str(e)) from None
+        except ValueError as e:
+            message = str(e)
+            raise APIError(400, message, param="max_tokens" if "max_tokens" in message else param) from None
+
+    def _add_all(self, base_id: str, prompts: list, params: SamplingParams, param: str) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(self._add(rid, prompt, params, param))
+        except BaseException:
+            self._abort(streams)  # all or nothing: a bad prompt in a batch leaves no work behind
+            raise
+        return streams
+
+    def _abort(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id)
+
+    async def _collect(self, raw: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Waits for the final output of each stream; aborts them all if the client disconnects."""
+        async def last(stream: RequestStream) -> RequestOutput:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        async def watch() -> None:
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+            logger.info("client disconnected; aborting %d request(s)", len(streams))
+            self._abort(streams)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            finals = await asyncio.gather(*(last(s) for s in streams))
+        except EngineRequestError as e:
+            raise APIError(500, str(e), type="internal_server_error", code="internal_error") from None
+        except EngineShutdownError as e:
+            raise overloaded(str(e)) from None
+        finally:
+            watcher.cancel()
+            self._abort(streams)
+        if any(o.finish_reason == "abort" for f in finals for o in f.outputs):
+            raise overloaded("the request was aborted (client gone or server shutting down)")
+        return finals
+
+    @staticmethod
+    async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several streams as they come, tagged with the stream's position."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except BaseException as e:
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _stream_response(self, body: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async for chunk in body:
+                    yield chunk
+            except (EngineRequestError, EngineShutdownError) as e:
+                # Headers are out already: report in-band, then end the stream properly.
+                err = ErrorResponse(error=ErrorInfo(message=str(e), type="internal_server_error",
+                                                    code="internal_error"))
+                yield _sse(err.model_dump_json())
+                yield _sse("[DONE]")
+            finally:
+                self._abort(streams)  # the client went away (cancelled) or we failed: free the blocks
+        return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @staticmethod
+    def _usage(finals: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(f.prompt_token_ids) for f in finals)
+        completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    # -- logprobs -------------------------------------------------------------------------------
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
+                             offset: int) -> CompletionLogprobs:
+        """Per token: its text, its logprob, and the top candidates (the sampled one always among
+        them, as vLLM does). The engine's dicts hold the sampled token first, then the top k."""
+        out = CompletionLogprobs()
+        for tid, entry in zip(token_ids, logprobs):
+            text = self.token_text(tid)
+            out.tokens.append(text)
+            out.token_logprobs.append(entry.get(tid))
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in entry.items()})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> ChatChoiceLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, logprobs):
+            text = self.token_text(tid)
+            # Sorting recovers exactly the top k: a sampled token outside them ranks below all k.
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            content.append(TokenLogprob(
+                token=text, logprob=entry.get(tid, float("-inf")), bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp,
+                                         bytes=list(self.token_text(t).encode())) for t, lp in top]))
+        return ChatChoiceLogprobs(content=content)
+
+    # -- /v1/completions ------------------------------------------------------------------------
+    async def create_completion(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = self._add_all(request_id, prompts, params, "prompt")
+        echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
+        if req.stream:
+            return self._stream_response(self._completion_events(req, request_id, streams, params, echoes), streams)
+        finals = await self._collect(raw, streams)
+        choices = []
+        for i, final in enumerate(finals):
+            for o in final.outputs:
+                lp = None
+                if params.logprobs is not None:
+                    lp = self._completion_logprobs(o.token_ids, o.logprobs or [], len(echoes[i]))
+                choices.append(CompletionChoice(index=i * params.n + o.index, text=echoes[i] + o.text, logprobs=lp,
+                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals))
+        return json_response(body)
+
+    def _echo_text(self, prompt) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    async def _completion_events(self, req: CompletionRequest, request_id: str, streams: list[RequestStream],
+                                 params: SamplingParams, echoes: list[str]) -> AsyncIterator[str]:
+        n = params.n
+        finished: set[int] = set()
+        offsets = {i * n + j: len(echoes[i]) for i in range(len(streams)) for j in range(n)}
+        finals: dict[int, RequestOutput] = {}
+        exclude = None if req.include_usage else {"usage"}
+        created = int(time.time())  # one timestamp for every chunk, as OpenAI does
+
+        def chunk(index: int, text: str, o: CompletionOutput | None, finish: str | None,
+                  lp: CompletionLogprobs | None) -> str:
+            choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish,
+                                      stop_reason=o.stop_reason if (o is not None and finish) else None)
+            body = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
+            return _sse(body.model_dump_json(exclude=exclude))
+
+        for i, echo in enumerate(echoes):
+            if echo:
+                for j in range(n):
+                    yield chunk(i * n + j, echo, None, None, None)
+        async for i, out in self._merge(streams):
+            if out.finished:
+                finals[i] = out
+            for o in out.outputs:
+                index = i * n + o.index
+                if index in finished:
+                    continue
+                finish = o.finish_reason
+                lp = None
+                if params.logprobs is not None and o.delta_token_ids:
+                    lp = self._completion_logprobs(o.delta_token_ids, o.delta_logprobs or [], offsets[index])
+                    offsets[index] += sum(len(t) for t in lp.tokens)
+                if not o.delta_text and lp is None and finish is None:
+                    continue
+                if finish is not None:
+                    finished.add(index)
+                yield chunk(index, o.delta_text, o, finish, lp)
+        if req.include_usage:
+            body = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                            usage=self._usage([finals[i] for i in sorted(finals)]))
+            yield _sse(body.model_dump_json())
+        yield _sse("[DONE]")
+
+    # -- /v1/chat/completions -------------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompt = self.apply_chat_template(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template_kwargs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self._add_all(request_id, [prompt], params, "messages")
+        top_k = req.top_logprobs or 0
+        if req.stream:
+            return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k), streams)
+        final = (await self._collect(raw, streams))[0]
+        choices = []
+        for o in final.outputs:
+            lp = self._chat_logprobs(o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
+            choices.append(ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=lp,
+                                      finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=self._usage([final]))
+        return json_response(body)
+
+    async def _chat_events(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
+                           params: SamplingParams, top_k: int) -> AsyncIterator[str]:
+        exclude = None if req.include_usage else {"usage"}
+        finished: set[int] = set()
+        final: RequestOutput | None = None
+        created = int(time.time())
+
+        def chunk(index: int, delta: DeltaMessage, finish: str | None = None, lp=None, stop_reason=None) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                choices=[ChatStreamChoice(
+                index=index, delta=delta, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)])
+            return _sse(body.model_dump_json(exclude=exclude))
+
+        # The role comes first, at once, as OpenAI does: clients see the stream open before prefill.
+        for j in range(params.n):
+            yield chunk(j, DeltaMessage(role="assistant", content=""))
+        async for _, out in self._merge([stream]):
+            if out.finished:
+                final = out
+            for o in out.outputs:
+                if o.index in finished:
+                    continue
+                finish = o.finish_reason
+                lp = None
+                if req.logprobs and o.delta_token_ids:
+                    lp = self._chat_logprobs(o.delta_token_ids, o.delta_logprobs or [], top_k)
+                if not o.delta_text and lp is None and finish is None:
+                    continue
+                if finish is not None:
+                    finished.add(o.index)
+                delta = DeltaMessage(content=o.delta_text) if (o.delta_text or lp is not None) else DeltaMessage()
+                yield chunk(o.index, delta, finish, lp, o.stop_reason if finish else None)
+        if req.include_usage and final is not None:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                                usage=self._usage([final]))
+            yield _sse(body.model_dump_json())
+        yield _sse("[DONE]")
