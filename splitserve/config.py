@@ -75,7 +75,9 @@ class ParallelConfig:
 class CompileConfig:
     enforce_eager: bool = False
     cudagraph_batch_sizes: tuple[int, ...] = field(
-        default_factory=lambda: (1, 2, 4, 8) + tuple(range(16, 257, 8)))
+        # Padding to the next size wastes at most ~20% of a decode step; fewer graphs start faster.
+        default_factory=lambda: (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                 320, 384, 448, 512))
 
 
 @dataclass(frozen=True)

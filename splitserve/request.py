@@ -18,11 +18,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s not in (RequestStatus.WAITING, RequestStatus.RUNNING))
 
 
 @dataclass
@@ -74,4 +77,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED

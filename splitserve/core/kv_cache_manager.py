@@ -52,8 +52,10 @@ class KVCacheManager:
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Makes room for num_new_tokens beyond request.num_computed_tokens (plus the prefix hits given
         for a newly admitted request). Returns False, changing nothing, if blocks run out."""
-        computed_blocks = computed_blocks or []
         blocks = self._blocks.get(request.request_id, [])
+        if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return True  # the common decode case: the last block still has room
+        computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         # Prefix hits that sit free in the pool count against the free blocks they would revive.
@@ -75,6 +77,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+        if num_full <= self._num_registered.get(request.request_id, 0):
+            return  # no block filled up since the last call
         self._update_block_hashes(request, num_full * bs)
         blocks = self._blocks.get(request.request_id, [])
         for i in range(self._num_registered.get(request.request_id, 0), num_full):

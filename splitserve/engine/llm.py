@@ -35,7 +35,7 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for ids, sp in zip(tokenized, params):
             self.engine.validate(ids, sp)
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(None, p, sp, stream=False) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

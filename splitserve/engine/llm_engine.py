@@ -123,7 +123,9 @@ class LLMEngine:
         return min(total, self.kv_capacity_tokens)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, stream: bool = True) -> str:
+        """Queues a request. With stream=False, step() reports it only once it has finished (offline
+        use: no per-token output objects)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.states:
@@ -138,6 +140,7 @@ class LLMEngine:
             children.append(Request(child_id, prompt_ids, child_params, self.config.model.eos_token_ids,
                                     total, arrival))
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
+        state.stream = stream
         self.states[request_id] = state
         for child in children:
             self._child_to_state[child.request_id] = state
@@ -204,7 +207,10 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            outputs.append(self._finish_output(state) if state.finished else state.make_output())
+            if state.finished:
+                outputs.append(self._finish_output(state))
+            elif state.stream:
+                outputs.append(state.make_output())
         return outputs
 
     def _finish_output(self, state: RequestState) -> RequestOutput:

@@ -102,6 +102,7 @@ class RequestState:
         self.prompt = prompt
         self.children = [_ChildState(r, i, tokenizer) for i, r in enumerate(children)]
         self.arrival_time = children[0].arrival_time
+        self.stream = True  # report every step's progress, not only the end
 
     @property
     def finished(self) -> bool:

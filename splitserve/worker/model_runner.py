@@ -44,6 +44,8 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     """torch.compile (Inductor) of each decoder layer: the batchful segments around the attention
     op, which stays opaque inside the graph. The token count is dynamic; all layers share one graph
     (same code, weights and cache passed as inputs), so compilation happens once."""
+    # Several engines in one process (tests, benchmarks) each add a graph or two; never fail on that.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
 
@@ -137,18 +139,24 @@ class ModelRunner:
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
     def _warm_up_eager(self) -> None:
-        """Runs the compiled model once at a multi-token size so compilation happens at start-up, not
-        on the first request. Writes go to slot -1 only, so the cache is untouched."""
-        n = min(self.config.scheduler.max_num_batched_tokens, 256)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
-            max_query_len=n, max_seq_len=n, query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens_cpu=torch.tensor([n], dtype=torch.int32))
-        with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend)):
-            self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device))
+        """Runs the compiled model at a few multi-token shapes so that compilation (Inductor, and the
+        attention kernel's variants by query length) happens at start-up, not on the first requests.
+        Writes go to slot -1 only, so the cache is untouched."""
+        dev = self.device
+        budget = self.config.scheduler.max_num_batched_tokens
+        for q_len in (2, 4, 8, 16, min(budget, 512)):
+            num_seqs = max(1, min(budget, 256) // q_len) if q_len < 16 else 1
+            total = num_seqs * q_len
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((total,), -1, dtype=torch.long, device=dev),
+                query_start_loc=torch.arange(0, total + 1, q_len, dtype=torch.int32, device=dev),
+                seq_lens=torch.full((num_seqs,), q_len, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(num_seqs, -(-q_len // self.block_size), dtype=torch.int32, device=dev),
+                max_query_len=q_len, max_seq_len=q_len,
+                query_start_loc_cpu=torch.arange(0, total + 1, q_len, dtype=torch.int32),
+                seq_lens_cpu=torch.full((num_seqs,), q_len, dtype=torch.int32))
+            with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend)):
+                self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.arange(total, device=dev) % q_len)
 
     # -- one step --------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:

@@ -88,7 +88,9 @@ def _ragged_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Triton specializes integer arguments on divisibility by 16; these change from step to step (batch
+# size, block-table width), so specializing them would recompile the kernel mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _ragged_paged_attn_kernel(
     q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     num_seqs, qk_scale,
@@ -221,7 +223,7 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
 # Split-K decode kernels
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr,
     qk_scale,
