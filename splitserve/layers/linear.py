@@ -10,19 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# Set by the model runner on CUDA: decode-sized matmuls (<= 16 tokens) use the bandwidth-bound
-# skinny kernel instead of cuBLAS (see layers/gemv.py for why and BENCHMARKS.md for the measurement).
-SKINNY_GEMV = False
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if SKINNY_GEMV and x.shape[0] <= 16:
-        from splitserve.layers.gemv import skinny_linear
-        out = skinny_linear(x, weight)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
-
-
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -30,7 +17,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         param = getattr(self, param_name)

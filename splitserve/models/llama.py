@@ -12,7 +12,7 @@ from torch import nn
 
 from splitserve.attention.layer import Attention
 from splitserve.layers.activation import silu_and_mul
-from splitserve.layers.linear import Linear, MergedLinear, linear
+from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.norm import RMSNorm
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return torch.nn.functional.linear(hidden, weight).float()
 
     # -- weights ---------------------------------------------------------------------------------
     _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -6,7 +6,6 @@ num_computed_tokens on and its block ids, and lays them out as one ragged batch.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -17,7 +16,6 @@ from splitserve.attention.backend import AttentionMetadata, get_backend
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.config import EngineConfig
 from splitserve.core.scheduler import SchedulerOutput
-from splitserve.layers import linear as linear_layers
 from splitserve.layers.sampler import Sampler
 from splitserve.request import Request
 from splitserve.worker.cuda_graphs import DecodeGraphs
@@ -123,8 +121,6 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.compile.enforce_eager:
             return
         start = time.perf_counter()
-        if os.environ.get("SPLITSERVE_SKINNY_GEMV", "1") != "0" and self.config.model.dtype != torch.float32:
-            linear_layers.SKINNY_GEMV = True
         compile_decoder_layers(self.model)
         sizes = [b for b in self.config.compile.cudagraph_batch_sizes if b <= self.config.scheduler.max_num_seqs]
         if self.backend.name == "triton":
