@@ -55,7 +55,10 @@ def decode_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     L = meta.max_seq_len
     nb = -(-L // block_size)
-    blocks = kv_cache[meta.block_tables[:, :nb].long()]  # [B, nb, 2, bs, Hkv, D]
+    # Table entries past a sequence's own blocks are unspecified: read block 0 there (masked below).
+    table = meta.block_tables[:, :nb].long()
+    in_use = torch.arange(nb, device=q.device)[None, :] * block_size < meta.seq_lens[:, None]
+    blocks = kv_cache[torch.where(in_use, table, 0)]  # [B, nb, 2, bs, Hkv, D]
     k = blocks[:, :, 0].reshape(B, nb * block_size, num_kv_heads, D)[:, :L].transpose(1, 2).float()
     v = blocks[:, :, 1].reshape(B, nb * block_size, num_kv_heads, D)[:, :L].transpose(1, 2).float()
     group = num_heads // num_kv_heads

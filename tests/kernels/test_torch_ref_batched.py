@@ -11,7 +11,8 @@ def test_batched_decode_matches_loop():
     cache = torch.randn(num_blocks, 2, bs, hkv, D)
     seq_lens = torch.tensor([1, 7, 13, 4], dtype=torch.int32)
     perm = torch.randperm(num_blocks).int()
-    tables = perm[:4 * 5].view(4, 5)  # shuffled, non-contiguous blocks
+    tables = perm[:4 * 5].view(4, 5).clone()  # shuffled, non-contiguous blocks
+    tables[0, 1:] = 10**6  # past a sequence's blocks the table holds garbage
     meta = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.long),
                              query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=seq_lens,
                              block_tables=tables, max_query_len=1, max_seq_len=13,
