@@ -2,7 +2,7 @@
 # Serving benchmark on the device: `splitserve serve` (Llama-3-8B shape, random bf16 weights) driven by
 # `splitserve bench serve` with the random dataset (1024 in / 128 out, ignore_eos) at 4 and 16 req/s
 # and inf, a fresh seed per run, then a synthetic-sharegpt sweep. Results go to ${OUT:-.}.
-#   usage: benchmarks/serve_bench.sh [NUM_PROMPTS]
+#   usage: [RATES='4 16 inf'] [SWEEP=1] benchmarks/serve_bench.sh [NUM_PROMPTS]
 set -u
 out=${OUT:-.}
 n=${1:-200}
@@ -14,13 +14,12 @@ for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && brea
 grep -E "ready|fast path|captured" "$out/server.log"
 common="--base-url http://127.0.0.1:8011 --tokenizer $cfg --ignore-eos --disable-tqdm"
 seed=$RANDOM
-for rate in 4 16 inf; do
+for rate in ${RATES:-4 16 inf}; do
   seed=$((seed + 1))
   echo "=== random 1024/128 at $rate req/s (seed $seed)"
   python -m splitserve bench serve $common --dataset random --random-input-len 1024 --random-output-len 128 \
       --num-prompts $n --request-rate $rate --seed $seed --save-result "$out/random_$rate.json"
 done
-echo "=== synthetic-sharegpt sweep"
-python -m splitserve bench sweep $common --dataset synthetic-sharegpt --num-prompts $n --seed $((seed + 1)) \
+[ "${SWEEP:-1}" = 1 ] && echo "=== synthetic-sharegpt sweep" && python -m splitserve bench sweep $common --dataset synthetic-sharegpt --num-prompts $n --seed $((seed + 1)) \
     --request-rates 4,16,64,inf --plot "$out/sharegpt_sweep.png" --save-result "$out/sharegpt_sweep.json"
 kill -TERM $server; wait $server
