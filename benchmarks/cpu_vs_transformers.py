@@ -55,7 +55,7 @@ def main() -> None:
         batched = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            hf_out = hf.generate(ids, attention_mask=mask, **gen)
+            hf.generate(ids, attention_mask=mask, **gen)
             batched.append(time.perf_counter() - t)
         t = time.perf_counter()
         single_tokens = [hf.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,

@@ -87,7 +87,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
         self.kv_capacity_tokens = num_blocks * args.block_size
         self.states: dict[str, RequestState] = {}
-        self._child_to_state: dict[str, RequestState] = {}
+        # child request id -> (its user request, its slot there): n > 1 fans one request out to n children
+        self._children: dict[str, tuple[RequestState, object]] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %s (%s) on %s, %s, backend %s", self.model_name, arch, device, dtype, backend)
 
@@ -142,8 +143,8 @@ class LLMEngine:
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
         state.stream = stream
         self.states[request_id] = state
-        for child in children:
-            self._child_to_state[child.request_id] = state
+        for child, child_state in zip(children, state.children):
+            self._children[child.request_id] = (state, child_state)
             self.scheduler.add_request(child)
         return request_id
 
@@ -184,7 +185,7 @@ class LLMEngine:
         except Exception:
             # A failed step fails its requests, not the engine.
             logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
-            failed = {self._child_to_state[r.request_id] for r, _ in sched.scheduled}
+            failed = {self._children[r.request_id][0] for r, _ in sched.scheduled}
             for state in failed:
                 self.scheduler.finish_requests([c.request.request_id for c in state.children], RequestStatus.FINISHED_ERROR)
             return [self._finish_output(s) for s in failed]
@@ -198,8 +199,7 @@ class LLMEngine:
         for request in updated:
             if request.first_token_time is None:
                 request.first_token_time = now
-            state = self._child_to_state[request.request_id]
-            child = state.children[int(request.request_id.rsplit("#", 1)[1]) if len(state.children) > 1 else 0]
+            state, child = self._children[request.request_id]
             stop = state.process_tokens(child, 1)
             if stop is not None:
                 request.stop_reason = stop
@@ -218,7 +218,7 @@ class LLMEngine:
         if state.finished:
             self.states.pop(state.request_id, None)
             for c in state.children:
-                self._child_to_state.pop(c.request.request_id, None)
+                self._children.pop(c.request.request_id, None)
         return out
 
     # -- stats -----------------------------------------------------------------------------------

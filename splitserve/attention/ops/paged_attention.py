@@ -23,7 +23,6 @@ the wrappers never read device tensors on the host, so they can be captured in C
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
