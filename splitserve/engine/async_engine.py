@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.llm_engine import EngineDeadError, LLMEngine
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ class AsyncLLMEngine:
         self.on_output = on_output
         self._cond = threading.Condition()
         self._commands: list[tuple] = []   # ("add", id, token_ids, params, arrival) | ("abort", id)
-        self._num_pending_adds = 0
+        self._num_pending_adds = 0         # sequences (n per request) accepted, not yet in the engine
         self._stopping = False
         self._dead: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}   # loop thread only
@@ -133,7 +133,8 @@ class AsyncLLMEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests accepted but not yet handed to the engine, plus sequences waiting in the engine."""
+        """Sequences accepted but not yet handed to the engine, plus sequences waiting in the engine.
+        Counted in sequences (a request with n=4 is 4), the unit the engine's waiting queue holds."""
         return self._num_pending_adds + self.stats.num_waiting
 
     @property
@@ -150,10 +151,14 @@ class AsyncLLMEngine:
             raise EngineShutdownError(f"the engine has stopped after an error: {self._dead}")
         if self._stopping:
             raise EngineShutdownError("the engine is shutting down")
-        if self.max_queued_requests is not None and self.num_queued >= self.max_queued_requests:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_queued} requests are already waiting "
-                f"(--max-queued-requests {self.max_queued_requests}); retry later")
+        if self.max_queued_requests is not None:
+            if params.n > self.max_queued_requests:
+                raise ValueError(f"n must be <= {self.max_queued_requests} on this server "
+                                 f"(--max-queued-requests), got {params.n}")
+            if self.num_queued + params.n > self.max_queued_requests:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {self.num_queued} requests are already waiting "
+                    f"(--max-queued-requests {self.max_queued_requests}); retry later")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -166,7 +171,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         with self._cond:
             self._commands.append(("add", request_id, token_ids, params, arrival))
-            self._num_pending_adds += 1
+            self._num_pending_adds += params.n
             self._cond.notify()
         return stream
 
@@ -247,7 +252,7 @@ class AsyncLLMEngine:
                         self._cond.wait()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
-                num_adds = sum(1 for c in commands if c[0] == "add")
+                num_adds = sum(c[3].n for c in commands if c[0] == "add")
                 outputs: list[RequestOutput] = []
                 errors: list[tuple[str, BaseException]] = []
                 # Commands in arrival order, so an abort that follows its add finds the request.
@@ -275,6 +280,8 @@ class AsyncLLMEngine:
                         # A step that produced nothing and took no time scheduled nothing (work it
                         # cannot admit yet): back off below instead of spinning on it.
                         stepped_idle = not step_outputs and time.monotonic() - started < 1e-3
+                    except EngineDeadError:
+                        raise  # not recoverable: below, every request fails and /health turns 503
                     except Exception as e:
                         # The step raised outside the model call (which fails only its own batch):
                         # fail everything in flight and keep serving new requests.

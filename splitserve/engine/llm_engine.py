@@ -13,6 +13,7 @@ from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelCo
                                SchedulerConfig)
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
+from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.output_processor import RequestOutput, RequestState
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.resolve import load_tokenizer, resolve_model
@@ -21,6 +22,14 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# A step failure fails that step's requests; this many in a row with no good step between them means
+# the device or model is broken for good (a lost GPU fails every step), and the engine gives up.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run steps any more; the server should report itself unhealthy."""
 
 
 @dataclass
@@ -83,6 +92,7 @@ class LLMEngine:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_fast_path()
+        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
         self.kv_capacity_tokens = num_blocks * args.block_size
@@ -90,6 +100,7 @@ class LLMEngine:
         # child request id -> (its user request, its slot there): n > 1 fans one request out to n children
         self._children: dict[str, tuple[RequestState, object]] = {}
         self._ids = itertools.count()
+        self._failed_steps_in_a_row = 0
         logger.info("engine ready: %s (%s) on %s, %s, backend %s", self.model_name, arch, device, dtype, backend)
 
     # -- requests --------------------------------------------------------------------------------
@@ -182,13 +193,18 @@ class LLMEngine:
                 request.first_scheduled_time = now
         try:
             result = self.runner.execute(sched)
-        except Exception:
+        except Exception as exc:
             # A failed step fails its requests, not the engine.
             logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
             failed = {self._children[r.request_id][0] for r, _ in sched.scheduled}
             for state in failed:
                 self.scheduler.finish_requests([c.request.request_id for c in state.children], RequestStatus.FINISHED_ERROR)
+            self._failed_steps_in_a_row += 1
+            if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise EngineDeadError(f"{self._failed_steps_in_a_row} model steps failed in a row; "
+                                      f"last error: {exc}") from exc
             return [self._finish_output(s) for s in failed]
+        self._failed_steps_in_a_row = 0
         for rid, entry in result.logprobs.items():
             request = self.scheduler.requests.get(rid)
             if request is not None:

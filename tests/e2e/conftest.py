@@ -27,12 +27,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="splitserve-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "splitserve", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env} if env else None)
 
     def log_tail(self, n: int = 40) -> str:
         self.log.flush()
@@ -65,6 +66,16 @@ class ServerProcess:
             print(f"server log kept at {self.log.name}")
         else:
             os.unlink(self.log.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama with the default model's tokenizer and chat template: a real server on it
+    starts in seconds and runs hundreds of requests fast (the reliability tests)."""
+    from splitserve.models.resolve import load_tokenizer
+    from tests.hf_reference import make_tiny_llama_dir
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-server-model"), load_tokenizer(None),
+                               num_kv_heads=2, tie=True, seed=11)
 
 
 @pytest.fixture(scope="session")

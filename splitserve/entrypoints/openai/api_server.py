@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
 from splitserve.engine.async_engine import AsyncLLMEngine
+from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from splitserve.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                                     TokenizeRequest, TokenizeResponse)
@@ -45,6 +46,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model name clients send and /v1/models shows (default: from the model)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 once this many requests wait for the engine (default: no limit)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"answer 413 to a request body larger than this (default: {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -102,6 +105,7 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         await async_engine.shutdown()
 
     app = FastAPI(title="splitserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.draining = False
@@ -264,6 +268,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     engine = LLMEngine(engine_args_from(args))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from splitserve.sampling_params import SamplingParams
 
@@ -45,9 +45,36 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+def _require_valid_unicode(value: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); Python then holds a str that cannot be
+    encoded, and the tokenizer, the chat template or the response writer fail on it later, deep
+    inside. Refuse it at the door, in every string of a request, nested ones included."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("contains an unpaired surrogate escape (\\ud800-\\udfff): not valid "
+                                 "Unicode") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if not isinstance(v, int):  # token-id prompts are long lists of ints: skip them cheaply
+                _require_valid_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _require_valid_unicode(k)
+            _require_valid_unicode(v)
+
+
 class _Request(BaseModel):
     # NaN/inf would slip past every range check (all comparisons are false), so refuse them here.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _require_valid_unicode(value)
+        return value
 
 
 class StreamOptions(_Request):

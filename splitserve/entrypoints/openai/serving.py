@@ -191,11 +191,18 @@ class OpenAIServing:
             try:
                 async for chunk in body:
                     yield chunk
-            except (EngineRequestError, EngineShutdownError) as e:
-                # Headers are out already: report in-band, then end the stream properly.
-                err = ErrorResponse(error=ErrorInfo(message=str(e), type="internal_server_error",
-                                                    code="internal_error"))
-                yield _sse(err.model_dump_json())
+            except Exception as e:
+                # Headers are out already: report in-band, then end the stream properly, so the
+                # client sees an error event and [DONE] rather than a connection cut mid-body.
+                if isinstance(e, EngineShutdownError):
+                    err = ErrorInfo(message=str(e), type="service_unavailable", code="service_unavailable")
+                elif isinstance(e, EngineRequestError):
+                    err = ErrorInfo(message=str(e), type="internal_server_error", code="internal_error")
+                else:
+                    logger.exception("streaming response failed")
+                    err = ErrorInfo(message="internal server error", type="internal_server_error",
+                                    code="internal_error")
+                yield _sse(ErrorResponse(error=err).model_dump_json())
                 yield _sse("[DONE]")
             finally:
                 self._abort(streams)  # the client went away (cancelled) or we failed: free the blocks
