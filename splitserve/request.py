@@ -53,6 +53,8 @@ class Request:
     generator: object | None = None  # torch.Generator of a seeded request, made on its first sample
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Images of a multimodal prompt (multimodal.inputs.ImageItem), sorted by placeholder offset.
+    mm_items: tuple = ()
 
     @property
     def num_prompt_tokens(self) -> int:

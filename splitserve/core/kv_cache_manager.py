@@ -17,7 +17,10 @@ class KVCacheManager:
 
     # Extra hash keys of a block (image hashes for multimodal placeholders); none for text.
     def _extra_keys(self, request: Request, start: int, end: int) -> tuple:
-        return ()
+        if not request.mm_items:
+            return ()
+        from splitserve.multimodal.step import block_extra_keys
+        return block_extra_keys(request, start, end)
 
     def _update_block_hashes(self, request: Request, upto_tokens: int) -> None:
         """Extends request.block_hashes over every full block within the first upto_tokens tokens."""

@@ -41,7 +41,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, **template_kwargs) for c in conversations]
+        from splitserve.multimodal.processor import offline_chat_prompt  # handles image content parts
+        prompts = [offline_chat_prompt(self, c, add_generation_prompt, **template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
@@ -53,6 +54,9 @@ class LLM:
 
     def _unwrap(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                from splitserve.multimodal.processor import offline_prompt
+                return offline_prompt(self.engine, prompt)
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"])
             return prompt["prompt"]

@@ -89,6 +89,8 @@ class LLMEngine:
             parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
             device=device, attention_backend=backend)
         self.runner = ModelRunner(self.config, model)
+        from splitserve.multimodal.processor import build_mm_processor
+        self.mm_processor = build_mm_processor(model, source, self.tokenizer)  # None for text-only models
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_fast_path()
@@ -105,6 +107,8 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if hasattr(prompt, "mm_items"):
+            return prompt  # a MultiModalPrompt: expanded ids that carry their images along
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -150,7 +154,7 @@ class LLMEngine:
             child_params = params if params.n == 1 else params.for_child(i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, prompt_ids, child_params, self.config.model.eos_token_ids,
-                                    total, arrival))
+                                    total, arrival, mm_items=getattr(prompt_ids, "mm_items", ())))
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, children, self.tokenizer)
         state.stream = stream
         self.states[request_id] = state

@@ -58,14 +58,33 @@ def gguf_hf_config(path: str):
 
 def load_hf_config(source: ModelSource):
     from transformers import AutoConfig
+    from splitserve.models.vila import is_vila_dir, load_vila_config
     if source.gguf_file:
         config = gguf_hf_config(source.path)
+    elif is_vila_dir(source.directory):
+        config = load_vila_config(source.directory)
     else:
         config = AutoConfig.from_pretrained(source.directory)
+    expose_text_config(config)
     if not getattr(config, "architectures", None):
         arch = _ARCH_BY_MODEL_TYPE.get(config.model_type)
         config.architectures = [arch] if arch else [f"<model_type {config.model_type}>"]
     return config
+
+
+_TEXT_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+              "vocab_size", "max_position_embeddings", "eos_token_id", "bos_token_id")
+
+
+def expose_text_config(config) -> None:
+    """Vision-language configs keep the decoder's settings in `text_config`; the engine sizes the KV
+    cache and vocabulary from the top level, so copy the decoder's values up where missing."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return
+    for key in _TEXT_KEYS:
+        if getattr(config, key, None) is None and getattr(text, key, None) is not None:
+            setattr(config, key, getattr(text, key))
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str) -> torch.dtype:
@@ -163,7 +182,9 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
     if random_weights:
         init_random_weights(model)
         return arch, model
-    weights = iter_gguf(source.path, hf_config) if source.gguf_file else iter_safetensors(source.directory)
+    # A family with its own layout (VILA's part folders) says how to read it.
+    reader = getattr(cls, "iter_weights", iter_safetensors)
+    weights = iter_gguf(source.path, hf_config) if source.gguf_file else reader(source.directory)
     loaded = model.load_weights(weights)
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:

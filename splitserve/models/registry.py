@@ -7,6 +7,11 @@ _MODELS = {
     "LlamaForCausalLM": ("splitserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("splitserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("splitserve.models.llama", "Qwen2ForCausalLM"),
+    # vision-language models
+    "LlavaForConditionalGeneration": ("splitserve.models.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),
+    "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
+    "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
 }
 
 

@@ -76,7 +76,12 @@ def load_tokenizer(source: ModelSource | str | None):
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
     if not source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.directory)
+        directory = source.directory
+        # VILA keeps its tokenizer with the decoder, in llm/
+        if not os.path.exists(os.path.join(directory, "tokenizer_config.json")) and \
+                os.path.exists(os.path.join(directory, "llm", "tokenizer_config.json")):
+            directory = os.path.join(directory, "llm")
+        return AutoTokenizer.from_pretrained(directory)
     stat = os.stat(source.path)
     key = hashlib.sha256(f"{os.path.abspath(source.path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(_cache_dir(), "tokenizers", key)

@@ -18,7 +18,7 @@ from splitserve.config import EngineConfig
 from splitserve.core.scheduler import SchedulerOutput
 from splitserve.layers.sampler import Sampler
 from splitserve.request import Request
-from splitserve.worker.cuda_graphs import DecodeGraphs
+from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +41,20 @@ class _Staging:
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
-    """torch.compile (Inductor) of each decoder layer: the batchful segments around the attention
-    op, which stays opaque inside the graph. The token count is dynamic; all layers share one graph
-    (same code, weights and cache passed as inputs), so compilation happens once."""
+    """torch.compile (Inductor) of the batchful halves of each decoder layer, before and after its
+    attention op. The token count is dynamic; all layers share one graph per half (same code,
+    weights passed as inputs), so compilation happens once."""
     # Several engines in one process (tests, benchmarks) each add a graph or two; never fail on that.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True, fullgraph=True)
+        layer.attn_inputs = torch.compile(layer.attn_inputs, dynamic=True, fullgraph=True)
+        layer.attn_outputs = torch.compile(layer.attn_outputs, dynamic=True, fullgraph=True)
+
+
+def supports_piecewise(model: torch.nn.Module) -> bool:
+    """Piecewise graphs need the text model's structure: embed, layers split at attention, norm."""
+    layers = getattr(model, "layers", None)
+    return bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
 
 
 @dataclass
@@ -57,6 +64,7 @@ class ForwardBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [S] rows of the hidden states whose next token is sampled
     sample_requests: list[Request]  # the S requests that sample this step, in row order
+    inputs_embeds: torch.Tensor | None = None  # [T, hidden] when the step has image tokens
 
 
 @dataclass
@@ -78,6 +86,12 @@ class ModelRunner:
         self.staging = _Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                 self.max_blocks_per_seq, pin=self.device.type == "cuda")
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        # Vision-language models: encodes a step's images and builds its input embeddings.
+        self.mm = None
+        if getattr(model, "is_multimodal", False):
+            from splitserve.multimodal.step import MultiModalStepEncoder
+            self.mm = MultiModalStepEncoder(model)
 
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -135,7 +149,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, factory, sizes, self.max_blocks_per_seq,
                                    self.config.model.max_model_len, self.device)
         self._warm_up_eager()
-        self.graphs.capture()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self.graphs.capture(pool, stream)
+        budget = self.config.scheduler.max_num_batched_tokens
+        piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
+        if piecewise_sizes and supports_piecewise(self.model):
+            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device)
+            self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
     def _warm_up_eager(self) -> None:
@@ -214,12 +234,21 @@ class ModelRunner:
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         meta = batch.meta
         num_seqs = meta.num_seqs
-        if (self.graphs is not None and meta.is_pure_decode and batch.input_ids.shape[0] == num_seqs
+        if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
+                and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
             return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta.slot_mapping,
                                    meta.seq_lens, meta.block_tables)
-        with forward_context(ForwardContext(meta, self.backend)):
-            hidden = self.model(batch.input_ids, batch.positions)
+        ctx = ForwardContext(meta, self.backend)
+        if (self.piecewise is not None and batch.inputs_embeds is None
+                and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx)
+        else:
+            with forward_context(ctx):
+                if batch.inputs_embeds is None:
+                    hidden = self.model(batch.input_ids, batch.positions)
+                else:
+                    hidden = self.model(batch.input_ids, batch.positions, batch.inputs_embeds)
         if not batch.sample_requests:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices])
@@ -227,6 +256,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         batch = self.prepare(sched)
+        if self.mm is not None:
+            batch.inputs_embeds = self.mm.step_embeddings(sched, batch.input_ids)
         logits = self._forward_logits(batch)
         if logits is None:
             return StepResult({}, {})

@@ -1,0 +1,91 @@
+"""Encoder outputs (projected image features) by image hash: bounded, least-recently-used, and never
+evicting an entry that a running request still needs.
+
+A request needs an image until its computed tokens pass the image's placeholder run: with chunked
+prefill the run can span steps, and the features must still be there for the later chunks. The
+cache remembers, per entry, the requests that use it and where their run ends; a user stops
+counting once it has computed past that point, finished, or been preempted (it is re-pinned when it
+runs again). If every entry is needed, the cache grows past its bound rather than failing a step;
+it shrinks back as users move on.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from splitserve.request import Request, RequestStatus
+
+
+class EncoderCache:
+    def __init__(self, capacity_tokens: int):
+        if capacity_tokens < 1:
+            raise ValueError(f"encoder cache capacity must be >= 1 token, got {capacity_tokens}")
+        self.capacity_tokens = capacity_tokens
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # LRU first
+        self._users: dict[str, dict[str, tuple[Request, int]]] = {}    # hash -> request id -> (request, end)
+        self.num_tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        feats = self._entries.get(key)
+        if feats is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return feats
+
+    def put(self, key: str, feats: torch.Tensor) -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = feats
+        self.num_tokens += feats.shape[0]
+        self._evict()
+
+    def pin(self, key: str, request: Request, end: int) -> None:
+        """Marks key as needed by request until it has computed `end` tokens."""
+        self._users.setdefault(key, {})[request.request_id] = (request, end)
+
+    def _still_needed(self, key: str) -> bool:
+        users = self._users.get(key)
+        if not users:
+            return False
+        for rid, (request, end) in list(users.items()):
+            if request.status != RequestStatus.RUNNING or request.num_computed_tokens >= end:
+                del users[rid]
+        if not users:
+            del self._users[key]
+            return False
+        return True
+
+    def _evict(self) -> None:
+        if self.num_tokens <= self.capacity_tokens:
+            return
+        for key in list(self._entries):
+            if self.num_tokens <= self.capacity_tokens:
+                break
+            if self._still_needed(key):
+                continue
+            self.num_tokens -= self._entries.pop(key).shape[0]
+
+    def num_pinned(self) -> int:
+        """Entries some running request still needs (drops users that have moved on)."""
+        return sum(1 for key in list(self._users) if self._still_needed(key))
+
+    def is_whole(self) -> bool:
+        """Nothing pinned, and within its bound: what a drained engine must show."""
+        return self.num_pinned() == 0 and not self._users and self.num_tokens <= self.capacity_tokens \
+            and self.num_tokens == sum(f.shape[0] for f in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._users.clear()
+        self.num_tokens = 0

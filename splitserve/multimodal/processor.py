@@ -1,0 +1,209 @@
+"""From user input to a `MultiModalPrompt`: images -> pixels (the model's HF image processor),
+image markers in the prompt -> runs of placeholder tokens, chat content parts -> template text.
+
+The marker is `<image>` in text. Where the tokenizer knows it as one token (llava-hf checkpoints
+add it), the text is tokenized whole and that token marks each image; otherwise (VILA) the text is
+split at the markers and the pieces are tokenized separately, as VILA's own front end does. In
+token-id prompts an image is marked by the model's image token id (VILA: -200, its IMAGE_TOKEN_INDEX).
+Each marker becomes as many placeholder tokens as the model makes features for that image.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+
+from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt, ProcessedImage
+from splitserve.multimodal.media import MediaError, MediaPolicy, load_image
+
+logger = logging.getLogger(__name__)
+
+IMAGE_MARKER = "<image>"
+IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
+VILA_IMAGE_TOKEN_INDEX = -200
+
+
+def image_hash(img) -> str:
+    """Content hash of decoded pixels: the same picture sent as PNG, JPEG-free data URL or path hashes
+    the same, and a one-pixel change does not."""
+    h = hashlib.sha256()
+    h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
+    h.update(img.tobytes())
+    return h.hexdigest()
+
+
+def load_image_processor(directory: str):
+    """The checkpoint's HF image processor, PIL/numpy flavour: no torchvision needed, and it is the
+    flavour the models were trained with. transformers 5 names it a backend, 4.x `use_fast=False`."""
+    import transformers
+    from transformers import AutoImageProcessor
+    major = int(transformers.__version__.split(".")[0])
+    kwargs = {"backend": "pil"} if major >= 5 else {"use_fast": False}
+    return AutoImageProcessor.from_pretrained(directory, **kwargs)
+
+
+class MultiModalProcessor:
+    def __init__(self, model, model_directory: str, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        folder = os.path.join(model_directory, getattr(model, "image_processor_subfolder", ""))
+        self.image_processor = load_image_processor(folder)
+        marker_id = tokenizer.convert_tokens_to_ids(IMAGE_MARKER) if tokenizer is not None else None
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if marker_id == unk:
+            marker_id = None
+        # VILA names no image token: use the tokenizer's <image> if it has one; any id would do, as
+        # the embeddings at placeholders are replaced (the image hash keeps KV blocks apart).
+        placeholder = model.image_token_id
+        self.placeholder_id = placeholder if placeholder is not None else (marker_id if marker_id is not None else 0)
+        # The marker is one token only if the tokenizer maps it to the model's image token.
+        self.marker_is_token = marker_id is not None and marker_id == self.placeholder_id
+        # Ids that mark an image in a token-id prompt.
+        self.marker_ids = {self.placeholder_id, VILA_IMAGE_TOKEN_INDEX}
+
+    # -- images ----------------------------------------------------------------------------------
+    def process_image(self, img) -> ProcessedImage:
+        out = self.image_processor(images=[img], return_tensors="pt")
+        pixels = out["pixel_values"]
+        pixels = pixels[0] if pixels.dim() == 5 else pixels  # anyres: [1, tiles, 3, H, W]
+        sizes = out.get("image_sizes")
+        size = tuple(int(v) for v in sizes[0]) if sizes is not None else (img.size[1], img.size[0])
+        n = self.model.num_image_tokens(pixels.shape[0], size)
+        return ProcessedImage(image_hash(img), pixels.contiguous(), size, n)
+
+    def load_and_process(self, sources: list, policy: MediaPolicy) -> list[ProcessedImage]:
+        return [self.process_image(load_image(s, policy)) for s in sources]
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text with `<image>` markers -> ids with one marker id per image. Rendered chat templates
+        carry their own BOS, so they are tokenized without special tokens."""
+        if self.marker_is_token or IMAGE_MARKER not in text:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        ids: list[int] = []
+        for i, piece in enumerate(text.split(IMAGE_MARKER)):
+            if i:
+                ids.append(VILA_IMAGE_TOKEN_INDEX)
+            if piece or i == 0:
+                ids.extend(self.tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
+        return ids
+
+    def build_prompt(self, prompt: str | list[int], images: list[ProcessedImage]) -> MultiModalPrompt:
+        """Expands each image marker of the prompt into the image's placeholder tokens."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
+        if len(marks) != len(images):
+            raise MediaError(f"the prompt has {len(marks)} image placeholder(s) ({IMAGE_MARKER}) but "
+                             f"{len(images)} image(s) were given")
+        out: list[int] = []
+        items: list[ImageItem] = []
+        prev = 0
+        for pos, img in zip(marks, images):
+            out.extend(ids[prev:pos])
+            items.append(ImageItem(img.hash, img.pixel_values, img.image_size, img.num_tokens, len(out)))
+            out.extend([self.placeholder_id] * img.num_tokens)
+            prev = pos + 1
+        out.extend(ids[prev:])
+        return MultiModalPrompt(out, items)
+
+    # -- chat ------------------------------------------------------------------------------------
+    @staticmethod
+    def split_chat(messages: list[dict]) -> tuple[list[dict], list[Any]]:
+        """Chat messages with image content parts -> messages with plain-text content (each image
+        part becomes the marker where it stood) and the image sources in order."""
+        converted, sources = [], []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    kind = part.get("type")
+                    if kind == "text":
+                        texts.append(part.get("text") or "")
+                    elif kind in IMAGE_PART_TYPES:
+                        sources.append(image_part_source(part))
+                        texts.append(IMAGE_MARKER)
+                    else:
+                        raise MediaError(f"unsupported content part type {kind!r}")
+                content = "\n".join(texts)
+            converted.append({**m, "content": content if content is not None else ""})
+        return converted, sources
+
+    def check_count(self, n: int, policy: MediaPolicy) -> None:
+        if policy.limit_per_prompt is not None and n > policy.limit_per_prompt:
+            raise MediaError(f"too many images: {n} given, at most {policy.limit_per_prompt} per request "
+                             f"(--limit-mm-per-prompt)")
+
+    def chat_prompt_from_text(self, text: str, images: list[ProcessedImage]) -> MultiModalPrompt:
+        """A rendered chat template (markers as text) + its processed images."""
+        return self.build_prompt(self.tokenize(text, add_special_tokens=False), images)
+
+    def chat_prompt(self, messages: list[dict], render_text: Callable[[list[dict]], str],
+                    policy: MediaPolicy) -> MultiModalPrompt:
+        """Offline chat: messages with image parts -> prompt. render_text applies the chat template
+        without tokenizing."""
+        converted, sources = self.split_chat(messages)
+        self.check_count(len(sources), policy)
+        images = self.load_and_process(sources, policy)
+        return self.chat_prompt_from_text(render_text(converted), images)
+
+
+def image_part_source(part: dict):
+    """The image of one content part: OpenAI's {"type": "image_url", "image_url": {"url"}} or
+    {"image_url": "..."}, or the offline {"type": "image", "image": <PIL|path|URL>}."""
+    for key in ("image_url", "image", "image_pil", "url"):
+        if key in part and part[key] is not None:
+            value = part[key]
+            return value.get("url") if isinstance(value, dict) else value
+    raise MediaError("image content part has no image (expected image_url.url)")
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and
+               any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in m["content"])
+               for m in messages)
+
+
+def build_mm_processor(model, source, tokenizer) -> MultiModalProcessor | None:
+    """The processor for a vision-language model, None for a text-only one."""
+    if not getattr(model, "is_multimodal", False):
+        return None
+    return MultiModalProcessor(model, source.directory, tokenizer)
+
+
+def to_device_pixels(items: list[ImageItem], device, dtype) -> torch.Tensor:
+    return torch.cat([it.pixel_values for it in items]).to(device=device, dtype=dtype, non_blocking=True)
+
+
+# -- offline API (LLM.generate / LLM.chat) -----------------------------------------------------------
+def offline_prompt(engine, prompt: dict) -> MultiModalPrompt:
+    """{"prompt" | "prompt_token_ids": ..., "multi_modal_data": {"image": img | [imgs]}} -> prompt.
+    Images may be PIL images, paths, or data:/file:// URLs."""
+    mm = engine.mm_processor
+    if mm is None:
+        raise ValueError(f"model {engine.model_name} does not accept images")
+    data = prompt["multi_modal_data"] or {}
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; only 'image' is supported")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    text = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    return mm.build_prompt(text, mm.load_and_process(images, MediaPolicy.offline()))
+
+
+def offline_chat_prompt(llm, messages: list[dict], add_generation_prompt: bool, **kwargs):
+    """LLM.chat for one conversation: plain template ids without images, a MultiModalPrompt with."""
+    if not has_images(messages):
+        return llm.apply_chat_template(messages, add_generation_prompt, **kwargs)
+    mm = llm.engine.mm_processor
+    if mm is None:
+        raise ValueError(f"model {llm.engine.model_name} does not accept images")
+
+    def render_text(converted: list[dict]) -> str:
+        return llm.tokenizer.apply_chat_template(converted, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **kwargs)
+    return mm.chat_prompt(messages, render_text, MediaPolicy.offline())
