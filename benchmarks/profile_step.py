@@ -1,12 +1,17 @@
-"""Where a step's time goes on the device: graph replay (GPU) vs the whole engine step (GPU + host).
+"""Where a step's time goes on the device: host phases of the engine step vs GPU time.
 
-    python benchmarks/profile_step.py   # Llama-3-8B shape, random bf16 weights
+    python benchmarks/profile_step.py [--kernels]   # Llama-3-8B shape, random bf16 weights
+
+For each workload it prints the wall time per step split into host phases (schedule, prepare,
+launch of forward + sampler, waiting for the GPU at the token copy, post-processing). A wait near
+zero means the host is on the critical path: overlapping the next step's host work would help.
+With --kernels it also prints the top CUDA kernels of one 8 x 2048 prefill step (torch.profiler).
 """
 from __future__ import annotations
 
-import cProfile
+import argparse
+import collections
 import os
-import pstats
 import random
 import time
 
@@ -17,14 +22,72 @@ from splitserve import LLM, SamplingParams
 CONFIG_8B = os.path.join(os.path.dirname(__file__), "configs", "llama3-8b")
 
 
+class PhaseTimer:
+    def __init__(self):
+        self.total = collections.Counter()
+        self.steps = 0
+        self.originals = []
+
+    def restore(self) -> None:
+        for obj, name, fn, had in reversed(self.originals):
+            if had:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
+
+    def wrap(self, obj, name: str, phase: str):
+        fn = getattr(obj, name)
+        self.originals.append((obj, name, fn, name in obj.__dict__))
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[phase] += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+    def report(self, label: str, wall: float) -> str:
+        per = {k: v / max(self.steps, 1) * 1e3 for k, v in self.total.items()}
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items()))
+        return f"{label}: {self.steps} steps, {wall / max(self.steps, 1) * 1e3:.2f} ms/step wall; per step ms: {parts}"
+
+
+def instrument(llm: LLM) -> PhaseTimer:
+    eng, runner = llm.engine, llm.engine.runner
+    pt = PhaseTimer()
+    pt.wrap(eng.scheduler, "schedule", "schedule")
+    pt.wrap(eng.scheduler, "update", "sched_update")
+    pt.wrap(runner, "prepare", "prepare")
+    pt.wrap(runner, "_forward_logits", "forward_launch")
+    pt.wrap(runner, "sampler", "sampler_launch")
+    step = eng.step
+    pt.originals.append((eng, "step", step, False))
+
+    def counted():
+        pt.steps += 1
+        t = time.perf_counter()
+        out = step()
+        pt.total["step_total"] += time.perf_counter() - t
+        return out
+    eng.step = counted
+    return pt
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    args = ap.parse_args()
     t0 = time.perf_counter()
-    llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096)
+    llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384)
     print(f"engine build {time.perf_counter() - t0:.1f} s")
     runner = llm.engine.runner
-    graphs = runner.graphs
-    for bs in (1, 8, 64, 256):
-        g = graphs.graphs[bs]
+    for bs in (1, 8, 64, 256, 512):
+        g = runner.graphs.graphs.get(bs)
+        if g is None:
+            continue
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
@@ -37,24 +100,29 @@ def main() -> None:
         print(f"decode graph replay bs={bs}: {start.elapsed_time(end) / 20:.3f} ms")
     rng = random.Random(5)
     vocab = llm.engine.config.model.vocab_size
-    ps = [[rng.randrange(1000, vocab - 1000) for _ in range(128)] for _ in range(256)]
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    llm.generate(ps[:8], params, use_tqdm=False)
-    pr = cProfile.Profile()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    pr.enable()
-    llm.generate(ps, params, use_tqdm=False)
-    pr.disable()
-    el = time.perf_counter() - t
-    print(f"256 x 128/64: {el:.2f} s, {256 * 64 / el:,.0f} out tok/s")
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-    # one big prefill forward, eager (compiled layers), timed alone
-    ps = [[rng.randrange(1000, vocab - 1000) for _ in range(2048)] for _ in range(8)]
-    for mnbt in (8192,):
+
+    def prompts(n, length):
+        return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
+
+    lines = []
+    for label, n, inp, out in (("b1 decode 128/256", 1, 128, 256), ("1000 x 128/128", 1000, 128, 128),
+                               ("prefill 8 x 2048", 8, 2048, 1)):
+        llm.generate(prompts(min(n, 8), inp), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        pt = instrument(llm)
+        torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.generate(ps, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
-        print(f"prefill 8x2048 {time.perf_counter() - t:.3f} s")
+        llm.generate(prompts(n, inp), SamplingParams(max_tokens=out, temperature=0, ignore_eos=True), use_tqdm=False)
+        wall = time.perf_counter() - t
+        pt.restore()
+        lines.append(pt.report(label, wall) + f"; total {wall:.2f} s")
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+        ps = prompts(8, 2048)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(ps, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

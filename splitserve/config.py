@@ -78,6 +78,9 @@ class CompileConfig:
         # Padding to the next size wastes at most ~20% of a decode step; fewer graphs start faster.
         default_factory=lambda: (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
                                  320, 384, 448, 512))
+    # Token counts of mixed/prefill steps captured as piecewise graphs. Above the largest, a step's
+    # GPU time dwarfs the launch cost of running the compiled segments without graphs.
+    piecewise_token_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True)

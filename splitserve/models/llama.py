@@ -29,12 +29,12 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # one table shared by all layers
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor):
+        """The attention op's inputs: q [T, Hq * D], k and v [T, Hkv * D], rotary applied."""
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
-        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous())
-        return self.o_proj(out)
+        return q.reshape(T, -1), k.reshape(T, -1), v.contiguous()
 
 
 class LlamaMLP(nn.Module):
@@ -57,14 +57,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    # The layer in two batchful halves around the batchless attention op. Compiled (and, for
+    # piecewise CUDA graphs, captured) separately; forward is just the two with the op between.
+    def attn_inputs(self, positions, x, residual):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        q, k, v = self.self_attn.qkv(positions, x)
+        return q, k, v, residual
+
+    def attn_outputs(self, attn_out, residual):
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(x), residual
+
+    def forward(self, positions, x, residual):
+        q, k, v, residual = self.attn_inputs(positions, x, residual)
+        return self.attn_outputs(self.self_attn.attn(q, k, v), residual)
 
 
 class LlamaForCausalLM(nn.Module):

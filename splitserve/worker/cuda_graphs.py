@@ -1,9 +1,16 @@
-"""Full-model CUDA graphs for pure-decode steps.
+"""CUDA graphs: full-model graphs for pure-decode steps, piecewise graphs for every other step.
 
 A decode step of B sequences is one token per sequence: its launch sequence depends only on B. We
 capture the whole model (batchful layers, attention op, LM head) once per batch size in a list, with
 every input read from static buffers, and replay the smallest graph that fits: padding rows get
 slot -1 (not stored) and sequence length 0 (attention writes zeros), and their logits are ignored.
+
+A mixed or prefill step's attention depends on its ragged layout, so only the batchful segments
+between attention ops are captured (per token-count bucket); attention runs eagerly between them on
+the real tokens. Padding rows are harmless there: every batchful layer treats rows independently.
+
+All graphs share one memory pool. That is safe because a step replays one bucket's graphs in capture
+order and no data passes between different buckets' graphs through pool memory.
 """
 from __future__ import annotations
 
@@ -50,14 +57,11 @@ class DecodeGraphs:
             return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: compile, autotune, allocate outside the graph
-                    self._forward(bs)
+                self._forward(bs)  # warm-up: compile, autotune, allocate outside the graph
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -88,3 +92,93 @@ class DecodeGraphs:
             self.seq_lens[num_seqs:bs].fill_(0)
         self.graphs[bs].replay()
         return self.logits[bs][:num_seqs]
+
+
+class PiecewiseGraphs:
+    """Segment j of a step at n (padded) tokens: j = 0 embeds and computes layer 0's attention inputs;
+    j = 1..L finishes layer j-1 from its attention output and computes layer j's inputs (or, after
+    the last layer, the final norm). Segments read and write static buffers, so one CUDA graph per
+    (segment, bucket) replays them; attention between segments reads q/k/v and writes attn_out.
+
+    With use_graphs=False the same segments run eagerly on the same buffers (CPU tests of the
+    plumbing: padding, buffer slicing, segment order)."""
+
+    def __init__(self, model, sizes: list[int], device: torch.device, use_graphs: bool = True):
+        self.model = model
+        self.layers = list(model.layers)
+        self.sizes = sorted(sizes)
+        self.use_graphs = use_graphs
+        n, dev = self.sizes[-1], device
+        attn = self.layers[0].self_attn
+        dtype = attn.o_proj.weight.dtype
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.q = torch.zeros(n, q_size, dtype=dtype, device=dev)
+        self.k = torch.zeros(n, kv_size, dtype=dtype, device=dev)
+        self.v = torch.zeros(n, kv_size, dtype=dtype, device=dev)
+        self.attn_out = torch.zeros(n, q_size, dtype=dtype, device=dev)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        for n in self.sizes:
+            if n >= num_tokens:
+                return n
+        return None
+
+    def _segment(self, j: int, n: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """Runs segment j at n tokens; returns the residual stream (the hidden states after the last)."""
+        if j == 0:
+            x = self.model.embed(self.input_ids[:n])
+        else:
+            x, residual = self.layers[j - 1].attn_outputs(self.attn_out[:n], residual)
+        if j == len(self.layers):
+            return self.model.norm(x, residual)[0]
+        q, k, v, residual = self.layers[j].attn_inputs(self.positions[:n], x, residual)
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+        return residual
+
+    @torch.inference_mode()
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        start = time.perf_counter()
+        num_segments = len(self.layers) + 1
+        for n in reversed(self.sizes):
+            with torch.cuda.stream(stream):
+                residual = None
+                for j in range(num_segments):  # warm-up outside the graphs (compilation, cuBLAS plans)
+                    residual = self._segment(j, n, residual)
+            torch.cuda.current_stream().wait_stream(stream)
+            graphs, residual = [], None
+            for j in range(num_segments):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._segment(j, n, residual)
+                # Dropping the previous residual lets later captures reuse its memory: they replay
+                # after this segment, which has read it by then.
+                residual = out
+                graphs.append(graph)
+            self.graphs[n], self.hidden[n] = graphs, residual
+        torch.cuda.synchronize()
+        logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d segments each, in %.1f s",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], num_segments, time.perf_counter() - start)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's T tokens."""
+        T = input_ids.shape[0]
+        n = self.padded_size(T)
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(positions)
+        residual = None
+        with forward_context(ctx):
+            for j in range(len(self.layers) + 1):
+                if j > 0:
+                    out = self.layers[j - 1].self_attn.attn(self.q[:T], self.k[:T], self.v[:T])
+                    self.attn_out[:T].copy_(out)
+                if self.use_graphs:
+                    self.graphs[n][j].replay()
+                else:
+                    residual = self._segment(j, n, residual)
+        return (self.hidden[n] if self.use_graphs else residual)[:T]

@@ -86,3 +86,21 @@ def engine_generate(engine, prompts):
             if out.finished:
                 done[out.request_id] = out
     return [done[i] for i in ids]
+
+
+def test_piecewise_segments_give_the_same_tokens(model_dir, baseline):
+    # The piecewise-graph path, run without graphs on CPU: the same segments, static buffers and
+    # padding to token buckets as on the GPU. Buckets 8/32 pad decode and chunk steps; steps of more
+    # than 32 tokens take the plain path, so both alternate within one run.
+    from splitserve.worker.cuda_graphs import PiecewiseGraphs
+    llm = LLM(model_dir, num_blocks=256, max_num_batched_tokens=40, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    runner.piecewise = PiecewiseGraphs(runner.model, [8, 32], runner.device, use_graphs=False)
+    calls = []
+    run_segments = runner.piecewise.run
+    runner.piecewise.run = lambda *a: calls.append(a[0].shape[0]) or run_segments(*a)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts_with_shared_prefixes(), params, use_tqdm=False)]
+    assert tokens == baseline
+    assert any(n < 8 for n in calls) and any(8 < n < 32 for n in calls)  # padded in both buckets
+    assert llm.engine.kv_manager.pool.is_whole()
