@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     from splitserve.entrypoints.openai.api_server import add_serve_args, run_server
     add_serve_args(serve)
+    from splitserve.multimodal.media import add_media_args
+    add_media_args(serve)
     serve.set_defaults(func=run_server)
 
     gen = sub.add_parser("generate", help="generate from prompts and print the outputs")

@@ -81,7 +81,9 @@ class EncoderCache:
         return sum(1 for key in list(self._users) if self._still_needed(key))
 
     def is_whole(self) -> bool:
-        """Nothing pinned, and within its bound: what a drained engine must show."""
+        """Nothing pinned, and (after trimming what went over the bound while pinned) within its
+        bound, with the token count matching the entries: what a drained engine must show."""
+        self._evict()
         return self.num_pinned() == 0 and not self._users and self.num_tokens <= self.capacity_tokens \
             and self.num_tokens == sum(f.shape[0] for f in self._entries.values())
 

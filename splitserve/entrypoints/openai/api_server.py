@@ -30,6 +30,7 @@ from splitserve.entrypoints.openai.protocol import (APIError, ChatCompletionRequ
                                                     TokenizeRequest, TokenizeResponse)
 from splitserve.entrypoints.openai.serving import OpenAIServing, overloaded
 from splitserve.metrics import ServerMetrics
+from splitserve.multimodal.media import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
     async_engine.on_output = metrics.on_output
     source = getattr(llm, "source", None)
     serving = OpenAIServing(async_engine, model_name, getattr(source, "path", None))
+    serving.media_policy = MediaPolicy.from_args(args)  # image sources: --allowed-*, --limit-mm-per-prompt
     page = _chat_page()
 
     @contextlib.asynccontextmanager

@@ -26,6 +26,9 @@ from splitserve.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse,
     TokenLogprob, TopLogprob, UsageInfo)
+from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, chat_image_sources
+from splitserve.multimodal.media import MediaPolicy
+from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,10 @@ class OpenAIServing:
         self.model_root = model_root
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
+        # Vision-language models: the image processor, and what image sources are allowed (build_app
+        # replaces the default policy with the server's flags).
+        self.mm_processor = getattr(engine.engine, "mm_processor", None)
+        self.media_policy = MediaPolicy()
         # Single-token decodes for logprobs; the vocabulary is fixed, so caching is safe.
         self.token_text = lru_cache(maxsize=65536)(self._decode_one)
 
@@ -69,7 +76,8 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, extra: dict | None = None) -> list[int]:
+                            continue_final_message: bool = False, extra: dict | None = None,
+                            tokenize: bool = True) -> list[int] | str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
                            param="messages")
@@ -81,9 +89,11 @@ class OpenAIServing:
                 for part in content:
                     if part.type == "text" and part.text is not None:
                         texts.append(part.text)
-                    elif part.type in ("image_url", "input_image", "image"):
-                        raise APIError(400, f"model `{self.model_name}` does not accept images",
-                                       param=f"messages[{i}].content")
+                    elif part.type in IMAGE_PART_TYPES:
+                        if self.mm_processor is None:
+                            raise APIError(400, f"model `{self.model_name}` does not accept images",
+                                           param=f"messages[{i}].content")
+                        texts.append(IMAGE_MARKER)  # expanded to the image's tokens by the mm processor
                     else:
                         raise APIError(400, f"unsupported content part type {part.type!r}",
                                        param=f"messages[{i}].content")
@@ -93,10 +103,12 @@ class OpenAIServing:
             add_generation_prompt = False  # continuing the last message leaves no room for a new turn
         try:
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
                 continue_final_message=continue_final_message, **(extra or {}))
         except Exception as e:  # template errors come from user content (roles, ordering)
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+        if not tokenize:
+            return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
@@ -315,8 +327,11 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         params = req.to_sampling_params()
+        sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
         prompt = self.apply_chat_template(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          req.chat_template_kwargs)
+                                          req.chat_template_kwargs, tokenize=not sources)
+        if sources:
+            prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, [prompt], params, "messages")
         top_k = req.top_logprobs or 0

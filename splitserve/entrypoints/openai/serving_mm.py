@@ -1,0 +1,42 @@
+"""Image content parts of chat requests: fetch/decode under the server's media policy, preprocess off
+the event loop, and build the prompt. Every media problem is a 400 with the reason."""
+from __future__ import annotations
+
+import asyncio
+
+from splitserve.entrypoints.openai.protocol import APIError
+from splitserve.multimodal.inputs import MultiModalPrompt
+from splitserve.multimodal.media import MediaError, MediaPolicy, load_image, load_image_async
+from splitserve.multimodal.processor import IMAGE_PART_TYPES, MultiModalProcessor, image_part_source
+
+
+def chat_image_sources(messages) -> list:
+    """The image sources of a chat request's messages, in order (pydantic ChatMessage objects)."""
+    sources = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.content, list):
+            continue
+        for part in m.content:
+            if part.type in IMAGE_PART_TYPES:
+                try:
+                    sources.append(image_part_source(part.model_dump()))
+                except MediaError as e:
+                    raise APIError(400, str(e), param=f"messages[{i}].content") from None
+    return sources
+
+
+async def _load(source, policy: MediaPolicy):
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        return await load_image_async(source, policy)
+    return await asyncio.to_thread(load_image, source, policy)  # decoding is CPU work
+
+
+async def build_chat_prompt(mm: MultiModalProcessor, policy: MediaPolicy, text: str,
+                            sources: list) -> MultiModalPrompt:
+    try:
+        mm.check_count(len(sources), policy)
+        images = [await _load(s, policy) for s in sources]
+        processed = await asyncio.to_thread(lambda: [mm.process_image(img) for img in images])
+        return mm.chat_prompt_from_text(text, processed)
+    except MediaError as e:
+        raise APIError(400, str(e), param="messages") from None

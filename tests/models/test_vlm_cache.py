@@ -1,0 +1,115 @@
+"""Encoder-output cache and image-aware prefix caching, on a tiny LLaVA (CLIP tower).
+
+References are independent: HF transformers greedy runs for correctness, and for reuse the exact
+block arithmetic (which blocks lie wholly before the image, which the prefix cache may serve).
+"""
+import pytest
+import torch
+import transformers
+
+from splitserve import LLM, SamplingParams
+from splitserve.multimodal.encoder_cache import EncoderCache
+from splitserve.request import Request, RequestStatus
+from splitserve.sampling_params import SamplingParams as SP
+from tests.multimodal_reference import hf_greedy_mm, hf_processor, make_tiny_llava_dir, mm_tokenizer, random_image
+
+BLOCK = 16
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tok = mm_tokenizer()
+    path = make_tiny_llava_dir(tmp_path_factory.mktemp("llava") / "m", tok, "clip", False, seed=3)
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=512)
+    return llm, hf, hf_processor(path, tok, "clip", False)
+
+
+def run(llm, text, img):
+    return llm.generate({"prompt": text, "multi_modal_data": {"image": [img]}}, PARAMS, use_tqdm=False)[0]
+
+
+def reference(hf, processor, text, img) -> list[int]:
+    return hf_greedy_mm(hf, dict(processor(text=text, images=[img], return_tensors="pt")), PARAMS.max_tokens)[0]
+
+
+def test_repeated_image_hits_the_encoder_cache(setup):
+    llm, hf, processor = setup
+    mm = llm.engine.runner.mm
+    img = random_image(7, (70, 50))
+    # Different text before the image: no KV block can be shared, so the image must be embedded again.
+    first = run(llm, "Alpha beta gamma delta. <image> What is it?", img)
+    encoded, hits = mm.num_images_encoded, mm.cache.hits
+    second = run(llm, "Some other words first! <image> What is it?", img)
+    assert mm.num_images_encoded == encoded, "the repeated image went through the vision tower again"
+    assert mm.cache.hits > hits
+    assert first.outputs[0].token_ids == reference(hf, processor, "Alpha beta gamma delta. <image> What is it?", img)
+    assert second.outputs[0].token_ids == reference(hf, processor, "Some other words first! <image> What is it?", img)
+    assert llm.engine.kv_manager.pool.is_whole() and mm.cache.is_whole()
+
+
+def test_prefix_cache_reuses_blocks_only_for_the_same_image(setup):
+    llm, hf, processor = setup
+    prefix = "You are a careful assistant who looks at pictures and answers briefly. " * 2
+    text = prefix + "<image> Now describe the picture in detail, please."
+    img_a, img_b = random_image(21, (64, 64)), random_image(22, (64, 64))
+    base = run(llm, text, img_a)
+    image_offset = base.prompt_token_ids.index(llm.engine.mm_processor.placeholder_id)
+    n = len(base.prompt_token_ids)
+    assert base.num_cached_tokens <= image_offset // BLOCK * BLOCK  # nothing image-related cached yet
+
+    same = run(llm, text, img_a)
+    assert same.num_cached_tokens == (n - 1) // BLOCK * BLOCK, "same image + prefix should reuse every full block"
+    assert same.outputs[0].token_ids == base.outputs[0].token_ids
+
+    other = run(llm, text, img_b)
+    assert other.num_cached_tokens == image_offset // BLOCK * BLOCK, "blocks holding image A were reused for image B"
+    assert other.outputs[0].token_ids == reference(hf, processor, text, img_b)
+    assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
+
+
+def _request(rid: str, computed: int) -> Request:
+    r = Request(rid, [1] * 100, SP(max_tokens=1))
+    r.status, r.num_computed_tokens = RequestStatus.RUNNING, computed
+    return r
+
+
+def test_encoder_cache_is_lru_bounded_and_keeps_what_running_requests_need():
+    cache = EncoderCache(capacity_tokens=8)
+    feats = {k: torch.zeros(4, 2) for k in "abcd"}
+    user = _request("r", computed=10)
+    cache.pin("a", user, end=20)          # r is mid-prefill inside image a's run
+    cache.put("a", feats["a"])
+    cache.put("b", feats["b"])
+    cache.get("b")
+    cache.put("c", feats["c"])            # over the bound: a is least recent but needed, so b goes
+    assert "a" in cache and "c" in cache
+    assert "b" not in cache and cache.num_tokens == 8
+    user.num_computed_tokens = 20         # r moved past image a
+    cache.put("d", feats["d"])
+    assert "a" not in cache and {"c", "d"} <= {k for k in "abcd" if k in cache}
+    assert cache.is_whole()
+
+    finished = _request("f", computed=0)
+    cache.pin("c", finished, end=50)
+    finished.status = RequestStatus.FINISHED_ABORTED  # an aborted request needs nothing
+    assert cache.num_pinned() == 0 and cache.is_whole()
+
+
+def test_encoder_cache_never_evicts_a_needed_image_in_chunked_prefill(setup):
+    """A one-token cache and a 24-token step budget: every image run spans steps and overflows the
+    cache, yet each image is encoded once per request and the outputs match transformers."""
+    _, hf, processor = setup
+    llm = LLM(hf.config._name_or_path, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=24)
+    runner = llm.engine.runner
+    runner.mm.cache = EncoderCache(capacity_tokens=1)
+    texts = ["Look: <image> and tell.", "A picture <image> of what?"]
+    imgs = [random_image(31, (60, 80)), random_image(32, (90, 40))]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": [i]}} for t, i in zip(texts, imgs)],
+                        PARAMS, use_tqdm=False)
+    assert runner.mm.num_images_encoded == 2
+    for t, i, out in zip(texts, imgs, outs):
+        assert out.outputs[0].token_ids == reference(hf, processor, t, i)
+    assert runner.mm.cache.is_whole() and len(runner.mm.cache) <= 1
+    assert llm.engine.kv_manager.pool.is_whole()
