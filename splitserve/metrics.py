@@ -56,6 +56,8 @@ class _EngineStateCollector(Collector):
         yield gauge("splitserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_usage)
         yield counter("splitserve:prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_queries)
         yield counter("splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hits)
+        yield counter("splitserve:num_requests_added", "Requests the engine took in (each finishes exactly once).",
+                      s.num_added)
         yield counter("splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       s.num_preemptions)
 

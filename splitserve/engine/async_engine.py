@@ -51,6 +51,7 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    num_added: int = 0       # requests the engine took in; when idle, every one of them has finished
 
 
 class RequestStream:
@@ -100,6 +101,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.stats = EngineStats()
+        self._num_added = 0   # engine thread only
         self._snapshot()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ class AsyncLLMEngine:
         self.stats = EngineStats(
             num_running=e.num_running, num_waiting=e.num_waiting, kv_usage=e.kv_usage(),
             prefix_queries=getattr(kv, "prefix_queries", 0), prefix_hits=getattr(kv, "prefix_hits", 0),
-            num_preemptions=getattr(getattr(e, "scheduler", None), "num_preemptions", 0))
+            num_preemptions=getattr(getattr(e, "scheduler", None), "num_preemptions", 0), num_added=self._num_added)
 
     def _run(self) -> None:
         engine = self.engine
@@ -261,6 +263,7 @@ class AsyncLLMEngine:
                         _, rid, token_ids, params, arrival = cmd
                         try:
                             engine.add_request(rid, token_ids, params, arrival_time=arrival)
+                            self._num_added += 1
                         except Exception as e:  # validated already; a failure here is ours
                             logger.exception("adding request %s failed", rid)
                             errors.append((rid, EngineRequestError(f"could not add the request: {e}")))
