@@ -113,3 +113,30 @@ def test_encoder_cache_never_evicts_a_needed_image_in_chunked_prefill(setup):
         assert out.outputs[0].token_ids == reference(hf, processor, t, i)
     assert runner.mm.cache.is_whole() and len(runner.mm.cache) <= 1
     assert llm.engine.kv_manager.pool.is_whole()
+
+
+def test_offline_chat_takes_pil_images_paths_and_data_urls(setup, tmp_path):
+    """LLM.chat with the same image given three ways: one answer, HF's; the image is encoded once."""
+    import base64
+    import io
+    llm, hf, processor = setup
+    img = random_image(51, (72, 48))
+    img.save(tmp_path / "pic.png")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    encoded = llm.engine.runner.mm.num_images_encoded
+    outs = [llm.chat([{"role": "user", "content": [{"type": "image", "image": source},
+                                                   {"type": "text", "text": "What is this?"}]}],
+                     PARAMS, use_tqdm=False)[0] for source in (img, str(tmp_path / "pic.png"), url)]
+    tok = processor.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is this?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
+    want = hf_greedy_mm(hf, dict(inputs), PARAMS.max_tokens)[0]
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    assert llm.engine.runner.mm.num_images_encoded == encoded + 1
+    with pytest.raises(ValueError, match="could not be decoded"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+                 PARAMS, use_tqdm=False)
+    assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
