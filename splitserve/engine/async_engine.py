@@ -102,6 +102,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self.stats = EngineStats()
         self._num_added = 0   # engine thread only
+        scheduler_config = getattr(getattr(engine, "config", None), "scheduler", None)
+        self._max_running = getattr(scheduler_config, "max_num_seqs", 0)
         self._snapshot()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -135,9 +137,16 @@ class AsyncLLMEngine:
 
     @property
     def num_queued(self) -> int:
-        """Sequences accepted but not yet handed to the engine, plus sequences waiting in the engine.
-        Counted in sequences (a request with n=4 is 4), the unit the engine's waiting queue holds."""
-        return self._num_pending_adds + self.stats.num_waiting
+        return self._queued_with(0)
+
+    def _queued_with(self, num_new: int) -> int:
+        """Sequences that will wait for a place in the running batch once `num_new` more arrive:
+        those accepted but not yet handed to the engine plus those waiting in it, less the free
+        places of the batch, which the next step fills. Counted in sequences (a request with n=4
+        is 4), the unit the engine queues."""
+        with self._cond:  # all from the same moment: see _snapshot
+            free = max(0, self._max_running - self.stats.num_running)
+            return max(0, self._num_pending_adds + self.stats.num_waiting + num_new - free)
 
     @property
     def num_in_flight(self) -> int:
@@ -154,10 +163,11 @@ class AsyncLLMEngine:
         if self._stopping:
             raise EngineShutdownError("the engine is shutting down")
         if self.max_queued_requests is not None:
-            if params.n > self.max_queued_requests:
-                raise ValueError(f"n must be <= {self.max_queued_requests} on this server "
-                                 f"(--max-queued-requests), got {params.n}")
-            if self.num_queued + params.n > self.max_queued_requests:
+            most = self.max_queued_requests + self._max_running  # even an idle engine takes no more
+            if params.n > most:
+                raise ValueError(f"n must be <= {most} on this server (--max-queued-requests "
+                                 f"{self.max_queued_requests} + --max-num-seqs {self._max_running}), got {params.n}")
+            if self._queued_with(params.n) > self.max_queued_requests:
                 raise EngineOverloadedError(
                     f"the server is overloaded: {self.num_queued} requests are already waiting "
                     f"(--max-queued-requests {self.max_queued_requests}); retry later")
@@ -237,13 +247,19 @@ class AsyncLLMEngine:
             pass
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _snapshot(self) -> None:
+    def _snapshot(self, num_adds_done: int = 0) -> None:
+        """Publishes the engine's state. `num_adds_done` sequences handed to the engine since the last
+        snapshot stop counting as pending at the same moment as they start counting as waiting (one
+        lock), so the queue limit neither under- nor over-counts them."""
         e = self.engine
         kv = getattr(e, "kv_manager", None)
-        self.stats = EngineStats(
+        stats = EngineStats(
             num_running=e.num_running, num_waiting=e.num_waiting, kv_usage=e.kv_usage(),
             prefix_queries=getattr(kv, "prefix_queries", 0), prefix_hits=getattr(kv, "prefix_hits", 0),
             num_preemptions=getattr(getattr(e, "scheduler", None), "num_preemptions", 0), num_added=self._num_added)
+        with self._cond:
+            self.stats = stats
+            self._num_pending_adds -= num_adds_done
 
     def _run(self) -> None:
         engine = self.engine
@@ -296,12 +312,9 @@ class AsyncLLMEngine:
                             logger.exception("cleanup after a failed step failed")
                             engine.states.clear()
                         errors.extend((rid, EngineRequestError(f"engine step failed: {e}")) for rid in ids)
-                self._snapshot()
+                self._snapshot(num_adds)
                 self._post(outputs, errors)
                 with self._cond:
-                    # Only now are these adds visible in the snapshot's waiting count; until
-                    # here they counted as pending, so the queue limit never under-counts.
-                    self._num_pending_adds -= num_adds
                     if stepped_idle and not commands and not self._commands:
                         self._cond.wait(_IDLE_BACKOFF_S)
         except BaseException as e:  # a bug in this loop: fail every request, report unhealthy

@@ -120,7 +120,11 @@ class OpenAIServing:
             raise overloaded(str(e)) from None
         except ValueError as e:
             message = str(e)
-            raise APIError(400, message, param="max_tokens" if "max_tokens" in message else param) from None
+            if message.startswith("n must"):
+                param = "n"
+            elif "max_tokens" in message:
+                param = "max_tokens"
+            raise APIError(400, message, param=param) from None
 
     def _add_all(self, base_id: str, prompts: list, params: SamplingParams, param: str) -> list[RequestStream]:
         streams: list[RequestStream] = []
