@@ -121,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tokenizer-dir", default=".devcarry/tok", help="a saved HF tokenizer for the check model")
-    ap.add_argument("--bench", default="")
+    ap.add_argument("--bench", default="", help="comma list of decode,prefill,tp128,tp1024 (or 'cold': start-up only)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)

@@ -74,9 +74,52 @@ def instrument(llm: LLM) -> PhaseTimer:
     return pt
 
 
+def profile_steps(llm: LLM, ps, params) -> None:
+    """Each step of one run, synchronised before and after so its wall time is its own: grouped by
+    kind (pure decode / mixed) and size; then the top kernels of a window of pure-decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+    eng, runner = llm.engine, llm.engine.runner
+    execute = runner.execute
+    rows = []
+
+    def timed(sched):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = execute(sched)
+        torch.cuda.synchronize()
+        n_tok = sum(n for _, n in sched.scheduled)
+        rows.append((len(sched.scheduled), n_tok, time.perf_counter() - t))
+        return out
+    runner.execute = timed
+    prof = None
+    for r in ps:
+        eng.add_request(None, r, params, stream=False)
+    while eng.has_unfinished_requests():
+        if len(rows) == 40:
+            prof = profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
+        eng.step()
+        if len(rows) == 45 and prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+    del runner.execute
+    groups = collections.defaultdict(list)
+    for seqs, tok, dt in rows:
+        kind = "decode" if seqs == tok else "mixed"
+        groups[(kind, 1 << (tok - 1).bit_length())].append(dt)
+    print("kind    tokens<=  steps  ms/step (mean)  total s")
+    for (kind, cap), v in sorted(groups.items()):
+        print(f"{kind:7s} {cap:8d} {len(v):6d} {sum(v) / len(v) * 1e3:14.2f} {sum(v):8.2f}")
+    print(f"all steps: {sum(r[2] for r in rows):.2f} s (execute only, synchronised)")
+    print("steps 40-44:", [(r[0], r[1], round(r[2] * 1e3, 1)) for r in rows[40:45]])
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--steps", action="store_true", help="per-step table + kernel profile of 1000 x 128/128")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -115,6 +158,8 @@ def main() -> None:
         wall = time.perf_counter() - t
         pt.restore()
         lines.append(pt.report(label, wall) + f"; total {wall:.2f} s")
+    if args.steps:
+        profile_steps(llm, prompts(1000, 128), SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile
         ps = prompts(8, 2048)
