@@ -39,6 +39,11 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by launched steps whose values have not reached the host yet (async scheduling:
+    # the next step is scheduled and launched before the previous one's tokens are read). They count
+    # in num_tokens; their input ids are filled in on the device. 0 outside of overlapped stepping.
+    num_pending: int = 0
+    sample_row: int = -1  # row of this request in the sampled tokens of the last step that sampled it
     # Tokens whose K/V are in the cache (or about to be, for the step being run).
     num_computed_tokens: int = 0
     # Of those, how many came from the prefix cache at the last admission (for metrics).
@@ -62,14 +67,26 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output without building the whole list."""
+        """Tokens [start, end) of prompt + output without building the whole list. Pending tokens
+        read as 0 (the model runner fills them in on the device)."""
+        known = self.num_known_tokens
+        if end > known:
+            return self.token_slice(start, known) + [0] * (end - max(start, known))
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -79,7 +79,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) // bs
         if num_full <= self._num_registered.get(request.request_id, 0):
             return  # no block filled up since the last call
         self._update_block_hashes(request, num_full * bs)

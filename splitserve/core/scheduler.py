@@ -57,7 +57,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n <= 0:  # nothing to compute (cannot happen for a running request, but never spin)
+            if n <= 0 or (request.num_pending and self._at_length_limit(request)):
+                # Nothing to compute, or its last token is still in flight and ends it: skip.
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, n):
@@ -101,22 +102,38 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    @staticmethod
+    def _at_length_limit(request: Request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and request.num_output_tokens >= max_tokens) or \
+            request.num_tokens >= request.max_total_tokens
+
     # -- results ---------------------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput, sample_requests: list[Request]) -> None:
+        """Once a step is launched: its tokens count as computed, and each request that samples
+        holds one pending token until the step's results arrive (update)."""
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+        for row, request in enumerate(sample_requests):
+            request.num_pending += 1
+            request.sample_row = row
+
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances the scheduled requests by their computed tokens, appends the sampled tokens of
-        those that reached their end, applies token-level stop rules. Returns the requests that got a
-        new token (finished ones included)."""
+        """With a step's results: turns the pending tokens of its sampling requests into output
+        tokens, applies token-level stop rules and caches filled blocks. Returns the requests that got
+        a new token (finished ones included)."""
         updated = []
         for request, n in out.scheduled:
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted (or failed) while the step ran
                 continue
-            request.num_computed_tokens += n
             token = sampled.get(request.request_id)
             if token is not None:
+                request.num_pending -= 1
                 request.output_token_ids.append(token)
                 self._check_stop(request, token)
                 updated.append(request)
-            self.kv.cache_full_blocks(request)
+            if request.status == RequestStatus.RUNNING:  # a preempted request has no blocks to cache
+                self.kv.cache_full_blocks(request)
             if request.is_finished:
                 self._release(request)
         return updated
@@ -133,7 +150,7 @@ class Scheduler:
                 request.stop_reason = token
                 return
         if (params.max_tokens is not None and num_out >= params.max_tokens) or \
-                request.num_tokens >= request.max_total_tokens:
+                request.num_known_tokens >= request.max_total_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
@@ -153,5 +170,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:  # preempted while its last step ran, then finished by its result
+            self.waiting.remove(request)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)

@@ -41,22 +41,22 @@ def parse_spec(spec: str) -> tuple[int | None, int | None]:
 
 
 def install_step_faults(runner, spec: str | None = None) -> bool:
-    """Wraps runner.execute with the faults of `spec` (default: the environment variable).
+    """Wraps runner.launch (the start of every model step) with the faults of `spec` (default: the environment variable).
     Returns whether faults are active."""
     spec = os.environ.get(ENV_VAR) if spec is None else spec
     if not spec:
         return False
     every, start = parse_spec(spec)
-    execute = runner.execute
+    launch = runner.launch
     count = 0
 
-    def faulty_execute(sched):
+    def faulty_launch(sched, *args):
         nonlocal count
         count += 1
         if (every is not None and count % every == 0) or (start is not None and count >= start):
             raise InjectedFault(f"injected fault in model step {count}")
-        return execute(sched)
+        return launch(sched, *args)
 
-    runner.execute = faulty_execute
+    runner.launch = faulty_launch
     logger.warning("fault injection is on (%s=%s): model steps will fail on purpose", ENV_VAR, spec)
     return True

@@ -48,6 +48,7 @@ class EngineArgs:
     attention_backend: str | None = None  # None: triton on CUDA, torch_ref on CPU
     enforce_eager: bool = False
     random_weights: bool = False
+    async_scheduling: bool | None = None  # overlap host and device work across steps; None: on CUDA
     served_model_name: str | None = None
 
 
@@ -103,6 +104,8 @@ class LLMEngine:
         self._children: dict[str, tuple[RequestState, object]] = {}
         self._ids = itertools.count()
         self._failed_steps_in_a_row = 0
+        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        self._inflight = None  # the launched step whose results are not processed yet
         logger.info("engine ready: %s (%s) on %s, %s, backend %s", self.model_name, arch, device, dtype, backend)
 
     # -- requests --------------------------------------------------------------------------------
@@ -188,26 +191,56 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one step, then processes the results of the step before it.
+
+        With async scheduling the host work of step N+1 (scheduling, input layout, launch) overlaps
+        the device's work on step N: requests whose tokens from N are still pending are scheduled
+        with them as inputs, filled in on the device. A request that N ends (EOS, stop string) wastes
+        its slot in N+1, whose token is then discarded. Without it, each step is collected first."""
+        outputs = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
+            outputs += self._process(inflight)
+            inflight = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        now = time.monotonic()
-        for request, _ in sched.scheduled:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
+        if not sched.is_empty:
+            now = time.monotonic()
+            for request, _ in sched.scheduled:
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+            try:
+                launched = self.runner.launch(sched, inflight)
+            except Exception as exc:
+                outputs += self._fail_step(sched, exc)
+            else:
+                self.scheduler.advance(sched, launched.sample_requests)
+                self._inflight = launched
+        if inflight is not None:
+            outputs += self._process(inflight)
+        if self._inflight is not None and not self.async_scheduling:
+            outputs += self._process(self._inflight)
+            self._inflight = None
+        return outputs
+
+    def _fail_step(self, sched, exc: Exception) -> list[RequestOutput]:
+        """A failed step fails its requests, not the engine (unless steps keep failing)."""
+        logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
+        failed = {entry[0] for r, _ in sched.scheduled if (entry := self._children.get(r.request_id))}
+        for state in failed:
+            self.scheduler.finish_requests([c.request.request_id for c in state.children], RequestStatus.FINISHED_ERROR)
+        self._failed_steps_in_a_row += 1
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise EngineDeadError(f"{self._failed_steps_in_a_row} model steps failed in a row; "
+                                  f"last error: {exc}") from exc
+        return [self._finish_output(s) for s in failed]
+
+    def _process(self, inflight) -> list[RequestOutput]:
+        """Waits for a launched step's tokens; applies them and turns them into request outputs."""
+        sched = inflight.sched
         try:
-            result = self.runner.execute(sched)
+            result = self.runner.collect(inflight)
         except Exception as exc:
-            # A failed step fails its requests, not the engine.
-            logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
-            failed = {self._children[r.request_id][0] for r, _ in sched.scheduled}
-            for state in failed:
-                self.scheduler.finish_requests([c.request.request_id for c in state.children], RequestStatus.FINISHED_ERROR)
-            self._failed_steps_in_a_row += 1
-            if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-                raise EngineDeadError(f"{self._failed_steps_in_a_row} model steps failed in a row; "
-                                      f"last error: {exc}") from exc
-            return [self._finish_output(s) for s in failed]
+            return self._fail_step(sched, exc)
         self._failed_steps_in_a_row = 0
         for rid, entry in result.logprobs.items():
             request = self.scheduler.requests.get(rid)

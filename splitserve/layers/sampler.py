@@ -18,6 +18,16 @@ class SamplerOutput:
     token_ids: torch.Tensor                  # [B] int64
     logprobs: torch.Tensor | None = None     # [B, 1 + k]: sampled token's logprob, then the top k
     logprob_ids: torch.Tensor | None = None  # [B, 1 + k] the matching token ids
+    # Penalties read a request's previous tokens on the host: the next step cannot be launched
+    # before these tokens are known there.
+    needs_host_tokens: bool = False
+
+
+def _to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """A small per-step tensor from host values, copied without synchronising the stream (a copy
+    from pageable memory would wait for the device: the engine overlaps steps)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 class Sampler:
@@ -27,7 +37,8 @@ class Sampler:
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
-        if any(p.needs_penalties for p in params):
+        needs_penalties = any(p.needs_penalties for p in params)
+        if needs_penalties:
             logits = self._apply_penalties(logits, requests)
         self._mask_min_tokens(logits, requests)
 
@@ -35,9 +46,9 @@ class Sampler:
         greedy = [p.greedy for p in params]  # decided on the host: no device sync
         if not all(greedy):
             sampled = self._sample(logits, requests)
-            tokens = torch.where(torch.tensor(greedy).to(device, non_blocking=True), tokens, sampled)
+            tokens = torch.where(_to_device(greedy, device), tokens, sampled)
 
-        out = SamplerOutput(tokens)
+        out = SamplerOutput(tokens, needs_host_tokens=needs_penalties)
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, tokens[:, None])
             ids = tokens[:, None]
@@ -71,7 +82,7 @@ class Sampler:
     def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if len(r.output_token_ids) < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 banned = [t for t in banned if t < logits.shape[1]]
                 if banned:
@@ -81,25 +92,25 @@ class Sampler:
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         device = logits.device
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
+        temperature = _to_device([max(p.temperature, 1e-5) for p in params], device)
         logits = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
         if any(top_k):
             V = logits.shape[1]
-            k = torch.tensor([k if k > 0 else V for k in top_k], device=device).clamp(max=V)
+            k = _to_device([k if k > 0 else V for k in top_k], device).clamp(max=V)
             sorted_logits = logits.sort(dim=-1, descending=True).values
             kth = sorted_logits.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device)
+            top_p = _to_device([p.top_p for p in params], device)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # Keep a token if the mass before it is below top_p (the first token is always kept).
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
+            min_p = _to_device([p.min_p for p in params], device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         q = torch.empty_like(probs)
         seeded = []
@@ -112,6 +123,6 @@ class Sampler:
         if len(seeded) < len(requests):
             unseeded = torch.ones(len(requests), dtype=torch.bool)
             unseeded[seeded] = False
-            idx = unseeded.nonzero().squeeze(1).to(device)
+            idx = _to_device(unseeded.nonzero().squeeze(1).tolist(), device, torch.long)
             q[idx] = torch.empty((len(idx), probs.shape[1]), device=device).exponential_()
         return (probs / q).argmax(dim=-1)

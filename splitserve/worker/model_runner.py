@@ -25,8 +25,11 @@ logger = logging.getLogger(__name__)
 
 class _Staging:
     """Host buffers the step's inputs are written into (numpy views) and copied to the device from.
-    Pinned on CUDA so the copies are asynchronous. Reusing them is safe: every step ends with a host
-    sync on the sampled tokens, after which no copy from the previous step is pending."""
+    Pinned on CUDA so the copies are asynchronous. The runner alternates two sets: a set is written
+    again only after the step that used it has been collected (its copies long done), while the step
+    launched in between may still have copies in flight from the other set. Every copied slice is
+    contiguous (block tables use a flat buffer viewed at the step's width): a strided pinned slice
+    would be copied through pageable memory, which synchronises the stream."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, pin: bool):
         def buf(shape, dtype):
@@ -35,9 +38,22 @@ class _Staging:
             "input_ids": buf(max_tokens, torch.long), "positions": buf(max_tokens, torch.long),
             "slot_mapping": buf(max_tokens, torch.long), "logits_indices": buf(max_seqs, torch.long),
             "query_start_loc": buf(max_seqs + 1, torch.int32), "seq_lens": buf(max_seqs, torch.int32),
-            "block_tables": buf((max_seqs, max_blocks), torch.int32)}
+            "block_tables": buf(max_seqs * max_blocks, torch.int32),
+            "fill_dst": buf(max_seqs, torch.long), "fill_src": buf(max_seqs, torch.long)}
         for name, tensor in self.tensors.items():
             setattr(self, name, tensor.numpy())
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: its sampled tokens on the device (the next step's pending input ids) and
+    their host copies, complete once `done` has fired."""
+    sched: SchedulerOutput
+    sample_requests: list[Request]
+    token_ids: torch.Tensor | None = None
+    host: tuple = ()  # (token ids, logprobs, logprob ids) on the host, copied without blocking
+    done: torch.cuda.Event | None = None
+    needs_sync: bool = False  # the next step must see these tokens on the host (penalties)
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -83,8 +99,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
-        self.staging = _Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                self.max_blocks_per_seq, pin=self.device.type == "cuda")
+        self.stagings = [_Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                  self.max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
+        self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         # Vision-language models: encodes a step's images and builds its input embeddings.
@@ -179,9 +196,11 @@ class ModelRunner:
                 self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.arange(total, device=dev) % q_len)
 
     # -- one step --------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
+    def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:
+        """Lays the step out in staging buffers and copies it to the device. Tokens still pending
+        from the in-flight step are taken from its sampled tokens on the device."""
         bs = self.block_size
-        st = self.staging
+        st = self.stagings[self.num_launched % 2]
         num_seqs = len(sched.scheduled)
         counts = np.fromiter((n for _, n in sched.scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((r.num_computed_tokens for r, _ in sched.scheduled), dtype=np.int64, count=num_seqs)
@@ -194,11 +213,13 @@ class ModelRunner:
         width = -(-max_seq_len // bs)
 
         input_ids = st.input_ids[:total]
-        block_tables = st.block_tables[:num_seqs, :width]
-        sample_requests, logits_indices = [], []
+        block_tables = st.block_tables[:num_seqs * width].reshape(num_seqs, width)
+        sample_requests, logits_indices, fills = [], [], []
         for i, (request, n) in enumerate(sched.scheduled):
             s = int(starts[i])
             input_ids[qsl[i]:qsl[i + 1]] = request.token_slice(s, s + n)
+            if request.num_pending:  # its input is the token the in-flight step sampled
+                fills.append((int(qsl[i + 1]) - 1, request.sample_row))
             ids = request.block_ids
             block_tables[i, :len(ids)] = ids if len(ids) <= width else ids[:width]
             if s + n == request.num_tokens:
@@ -220,12 +241,19 @@ class ModelRunner:
             slot_mapping=t["slot_mapping"][:total].to(dev, non_blocking=True),
             query_start_loc=t["query_start_loc"][:num_seqs + 1].to(dev, non_blocking=True),
             seq_lens=t["seq_lens"][:num_seqs].to(dev, non_blocking=True),
-            block_tables=t["block_tables"][:num_seqs, :width].to(dev, non_blocking=True),
+            block_tables=t["block_tables"][:num_seqs * width].view(num_seqs, width).to(dev, non_blocking=True),
             max_query_len=int(counts.max()), max_seq_len=max_seq_len,
             query_start_loc_cpu=t["query_start_loc"][:num_seqs + 1].clone(),
             seq_lens_cpu=t["seq_lens"][:num_seqs].clone())
+        input_ids = t["input_ids"][:total].to(dev, non_blocking=True)
+        if fills:
+            assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
+            st.fill_dst[:len(fills)], st.fill_src[:len(fills)] = zip(*fills)
+            dst = t["fill_dst"][:len(fills)].to(dev, non_blocking=True)
+            src = t["fill_src"][:len(fills)].to(dev, non_blocking=True)
+            input_ids.index_copy_(0, dst, inflight.token_ids[src])
         return ForwardBatch(
-            input_ids=t["input_ids"][:total].to(dev, non_blocking=True),
+            input_ids=input_ids,
             positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
             logits_indices=t["logits_indices"][:len(logits_indices)].to(dev, non_blocking=True),
@@ -254,20 +282,41 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        batch = self.prepare(sched)
+    def launch(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> InFlightStep:
+        """Enqueues the step (inputs, model, sampler, copies of the results to the host) without
+        waiting for the device; `collect` waits for the results."""
+        batch = self.prepare(sched, inflight)
+        self.num_launched += 1
         if self.mm is not None:
             batch.inputs_embeds = self.mm.step_embeddings(sched, batch.input_ids)
+        step = InFlightStep(sched, batch.sample_requests)
         logits = self._forward_logits(batch)
         if logits is None:
-            return StepResult({}, {})
+            return step
         out = self.sampler(logits, batch.sample_requests)
-        tokens = out.token_ids.tolist()  # the step's one host sync
-        ids = [r.request_id for r in batch.sample_requests]
+        step.token_ids = out.token_ids
+        step.needs_sync = out.needs_host_tokens
+        # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
+        step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
+                          for x in (out.token_ids, out.logprobs, out.logprob_ids))
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Waits for a launched step and returns its sampled tokens (and logprobs) by request id."""
+        if step.token_ids is None:
+            return StepResult({}, {})
+        if step.done is not None:
+            step.done.synchronize()
+        token_ids, logprob_vals, logprob_ids = step.host
+        tokens = token_ids.tolist()
+        ids = [r.request_id for r in step.sample_requests]
         logprobs = {}
-        if out.logprobs is not None:
-            vals, tok_ids = out.logprobs.tolist(), out.logprob_ids.tolist()
-            for i, r in enumerate(batch.sample_requests):
+        if logprob_vals is not None:
+            vals, tok_ids = logprob_vals.tolist(), logprob_ids.tolist()
+            for i, r in enumerate(step.sample_requests):
                 k = r.sampling_params.logprobs
                 if k is not None:
                     entry = {tok_ids[i][0]: vals[i][0]}
@@ -275,3 +324,7 @@ class ModelRunner:
                         entry.setdefault(t, v)
                     logprobs[r.request_id] = entry
         return StepResult(dict(zip(ids, tokens)), logprobs)
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """One step, launched and collected (no overlap)."""
+        return self.collect(self.launch(sched))

@@ -16,7 +16,8 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny"), load_tokenizer(None), num_kv_heads=2, tie=True, seed=11)
 
 
-def test_abort_storm_under_preemption(model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_storm_under_preemption(model_dir, async_scheduling):
     rng = random.Random(42)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(2, 50))] for _ in range(300)]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -24,7 +25,8 @@ def test_abort_storm_under_preemption(model_dir):
     ref_llm = LLM(model_dir, num_blocks=512, enable_prefix_caching=False)
     reference = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
 
-    llm = LLM(model_dir, num_blocks=48, block_size=8, max_num_batched_tokens=64, max_num_seqs=32)
+    llm = LLM(model_dir, num_blocks=48, block_size=8, max_num_batched_tokens=64, max_num_seqs=32,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     ids = [engine.add_request(f"r{i}", p, params, stream=False) for i, p in enumerate(prompts)]
     doomed = set(rng.sample(ids, 120))

@@ -104,3 +104,39 @@ def test_piecewise_segments_give_the_same_tokens(model_dir, baseline):
     assert tokens == baseline
     assert any(n < 8 for n in calls) and any(8 < n < 32 for n in calls)  # padded in both buckets
     assert llm.engine.kv_manager.pool.is_whole()
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_blocks=256),                                                    # decode steps overlap
+    dict(num_blocks=20, block_size=8, max_num_batched_tokens=13, max_num_seqs=5),  # + chunks, preemption
+], ids=["plain", "constrained"])
+def test_async_scheduling_gives_the_same_tokens(model_dir, baseline, engine_kwargs):
+    # Each step is scheduled and launched before the previous step's tokens are read on the host.
+    engine, tokens = run(model_dir, prompts_with_shared_prefixes(), async_scheduling=True, **engine_kwargs)
+    assert tokens == baseline
+    assert engine.kv_manager.pool.is_whole() and engine._inflight is None
+    # A second pass hits the prefix cache; blocks registered under async scheduling are sound.
+    assert [o.outputs[0].token_ids for o in engine_generate(engine, prompts_with_shared_prefixes())] == baseline
+    assert engine.kv_manager.pool.is_whole()
+
+
+def test_async_scheduling_with_stops_penalties_and_seeds(model_dir):
+    # EOS/stop tokens discovered one step late, penalties (which force a sync step) and seeded
+    # sampling: the same outputs as stepping synchronously.
+    prompts = prompts_with_shared_prefixes(seed=9)
+    probe = LLM(model_dir, num_blocks=256).generate(
+        prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    stop_token = probe[0].outputs[0].token_ids[5]
+    params = [SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_token]),
+              SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5),
+              SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(max_tokens=16, temperature=0, min_tokens=4, logprobs=2)]
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(model_dir, num_blocks=256, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        assert llm.engine.kv_manager.pool.is_whole()
+    assert results[0] == results[1]
+    assert results[0][0][1] == "stop" and len(results[0][0][0]) == 6

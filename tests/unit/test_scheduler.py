@@ -18,10 +18,17 @@ def req(rid, n_prompt, **params):
                    max_total_tokens=1000)
 
 
-def step(sched, token=7):
+def launch(sched):
+    """schedule + advance, as the engine does when it launches a step; returns (out, samplers)."""
     out = sched.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    sched.update(out, sampled)
+    samplers = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+    sched.advance(out, samplers)
+    return out, samplers
+
+
+def step(sched, token=7):
+    out, samplers = launch(sched)
+    sched.update(out, {r.request_id: token for r in samplers})
     return out
 
 
@@ -119,3 +126,88 @@ def test_length_cap_from_context():
     step(sched)
     assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 6
     assert kv.pool.is_whole()
+
+
+# -- async scheduling: the next step is scheduled before the previous step's tokens are known -------
+
+def test_pending_token_is_the_next_input_and_resolves_in_order():
+    sched, kv = make(budget=100)
+    a = req("a", 6)
+    sched.add_request(a)
+    out1, _ = launch(sched)                       # prefill: samples a's first token (pending)
+    assert a.num_pending == 1 and a.num_tokens == 7 and a.num_known_tokens == 6
+    out2, _ = launch(sched)                       # decode on the pending token, before it is known
+    assert plan(out2) == [("a", 1)] and a.num_pending == 2
+    assert a.token_slice(5, 8) == [15, 0, 0]      # pending tokens read as 0 (filled on the device)
+    sched.update(out1, {"a": 40})
+    sched.update(out2, {"a": 41})
+    assert a.output_token_ids == [40, 41] and a.num_pending == 0 and a.num_computed_tokens == 7
+
+
+def test_request_at_its_length_limit_is_not_scheduled_while_its_last_token_is_pending():
+    sched, kv = make(budget=100)
+    a = req("a", 4, max_tokens=2)
+    sched.add_request(a)
+    out1, _ = launch(sched)
+    out2, _ = launch(sched)                       # the 2nd (last) token is now pending
+    out3, _ = launch(sched)
+    assert plan(out3) == [] and a.num_pending == 2
+    sched.update(out1, {"a": 40})
+    sched.update(out2, {"a": 41})
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [40, 41]
+    assert kv.pool.is_whole()
+
+
+def test_eos_in_flight_wastes_one_step_and_its_token_is_dropped():
+    sched, kv = make(budget=100)
+    a = req("a", 4)
+    sched.add_request(a)
+    out1, _ = launch(sched)
+    out2, _ = launch(sched)                       # launched before out1's EOS is known
+    sched.update(out1, {"a": EOS})
+    assert a.status == RequestStatus.FINISHED_STOPPED and kv.pool.is_whole()
+    assert sched.update(out2, {"a": 99}) == [] and a.output_token_ids == [EOS]
+
+
+def test_request_preempted_while_its_token_is_in_flight_keeps_the_token():
+    sched, kv = make(num_blocks=3, block_size=4, budget=100)
+    a, b = req("a", 4), req("b", 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    out1, _ = launch(sched)                       # both prefilled: 2 blocks, 1 token pending each
+    out2, _ = launch(sched)                       # both need a 2nd block: b (last admitted) is preempted
+    assert plan(out2) == [("a", 1)] and b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    sched.update(out1, {"a": 40, "b": 50})
+    assert b.output_token_ids == [50] and b.num_pending == 0 and b.block_ids == []
+    sched.update(out2, {"a": 41})
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    out3, _ = launch(sched)                       # b is recomputed from its 5 known tokens
+    assert plan(out3) == [("b", 5)]
+    sched.update(out3, {"b": EOS})
+    assert b.status == RequestStatus.FINISHED_STOPPED and kv.pool.is_whole()
+
+
+def test_preempted_request_finished_by_its_in_flight_token_leaves_the_queue():
+    sched, kv = make(num_blocks=3, block_size=4, budget=100)
+    a, b = req("a", 4), req("b", 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    out1, _ = launch(sched)
+    launch(sched)                                 # b preempted, back in the waiting queue
+    sched.update(out1, {"a": 40, "b": EOS})
+    assert b.status == RequestStatus.FINISHED_STOPPED and b not in sched.waiting
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished() and kv.pool.is_whole()
+
+
+def test_blocks_holding_pending_tokens_are_not_cached():
+    sched, kv = make(block_size=4, caching=True)
+    a = req("a", 6)
+    sched.add_request(a)
+    out1, _ = launch(sched)                       # prefill of 6; one token pending
+    out2, _ = launch(sched)                       # two steps ahead of the host: 8 positions computed,
+    launch(sched)                                 # the last two still pending
+    sched.update(out1, {"a": 40})
+    assert len(a.block_hashes) == 1               # block 2 (positions 4..7) still holds a pending token
+    sched.update(out2, {"a": 41})
+    assert len(a.block_hashes) == 2 and a.token_slice(4, 8) == [14, 15, 40, 41]
