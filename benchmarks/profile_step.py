@@ -127,7 +127,7 @@ def main() -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384)
     print(f"engine build {time.perf_counter() - t0:.1f} s")
     runner = llm.engine.runner
-    for bs in (1, 8, 64, 256, 512):
+    for bs in (2, 8, 64, 256, 512, 1024):
         g = runner.graphs.graphs.get(bs)
         if g is None:
             continue

@@ -76,8 +76,10 @@ class CompileConfig:
     enforce_eager: bool = False
     cudagraph_batch_sizes: tuple[int, ...] = field(
         # Padding to the next size wastes at most ~20% of a decode step; fewer graphs start faster.
-        default_factory=lambda: (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
-                                 320, 384, 448, 512))
+        # No size 1: a single sequence runs padded to 2 (the same weight reads), so the compiled
+        # layers never see one token and Inductor compiles no extra size-1 specialisation.
+        default_factory=lambda: (2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                 320, 384, 448, 512, 640, 768, 896, 1024))
     # Token counts of mixed/prefill steps captured as piecewise graphs. Above the largest, a step's
     # GPU time dwarfs the launch cost of running the compiled segments without graphs.
     piecewise_token_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)

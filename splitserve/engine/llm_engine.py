@@ -80,7 +80,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+        t0 = time.perf_counter()
         arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
+        logger.info("model built in %.1f s", time.perf_counter() - t0)
         self.config = EngineConfig(
             model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
                               tuple(sorted(eos))),

@@ -166,6 +166,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, factory, sizes, self.max_blocks_per_seq,
                                    self.config.model.max_model_len, self.device)
         self._warm_up_eager()
+        logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.graphs.capture(pool, stream)
         budget = self.config.scheduler.max_num_batched_tokens

@@ -230,8 +230,9 @@ def _decode_split_kernel(
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     num_heads, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    NUM_SPLITS = tl.num_programs(2)
     seq = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -275,7 +276,7 @@ def _decode_split_kernel(
 
     empty = l_i == 0.0  # split past the end of this sequence (or seq_len == 0: a padding slot)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # Nothing to merge: write the final output directly and skip the reduce launch.
         o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
@@ -287,11 +288,14 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
 
 
-@triton.jit
+# The split count is a run-time value (the grid's third dimension in the split kernel, an argument
+# here) so one compiled kernel serves every count: fewer compilations at start-up.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    o_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_heads,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    o_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    NUM_SPLITS = num_splits
     # Merge the splits of one (sequence, query head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -310,6 +314,9 @@ def _decode_reduce_kernel(
              out.to(o_ptr.dtype.element_ty))
 
 
+MAX_SPLITS = 32
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     if torch.cuda.is_available():
@@ -325,7 +332,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, devic
     idx = device.index if device is not None and device.type == "cuda" and device.index is not None else 0
     want = triton.cdiv(2 * _num_sms(idx), max(1, num_seqs * num_kv_heads))
     by_len = triton.cdiv(max(1, max_seq_len), 256)
-    n = max(1, min(want, by_len, 32))
+    n = max(1, min(want, by_len, MAX_SPLITS))
     return 1 << (n - 1).bit_length() if n & (n - 1) else n
 
 
@@ -354,7 +361,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     assert block_tables.stride(-1) == 1
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
-    assert num_splits >= 1
+    assert 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows; extra rows are masked
     block_n, num_warps, num_stages = _decode_config(head_dim)
@@ -370,13 +377,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         num_heads, BLOCK_SIZE=kv_cache.shape[2],
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_o, part_lse, out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            out, part_o, part_lse, out.stride(0), out.stride(1), num_heads, num_splits,
+            SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim,
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
