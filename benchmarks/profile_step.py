@@ -79,18 +79,18 @@ def profile_steps(llm: LLM, ps, params) -> None:
     kind (pure decode / mixed) and size; then the top kernels of a window of pure-decode steps."""
     from torch.profiler import ProfilerActivity, profile
     eng, runner = llm.engine, llm.engine.runner
-    execute = runner.execute
+    launch = runner.launch
     rows = []
 
-    def timed(sched):
+    def timed(sched, inflight=None):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = execute(sched)
+        out = launch(sched, inflight)
         torch.cuda.synchronize()
         n_tok = sum(n for _, n in sched.scheduled)
         rows.append((len(sched.scheduled), n_tok, time.perf_counter() - t))
         return out
-    runner.execute = timed
+    runner.launch = timed
     prof = None
     for r in ps:
         eng.add_request(None, r, params, stream=False)
@@ -102,7 +102,7 @@ def profile_steps(llm: LLM, ps, params) -> None:
         if len(rows) == 45 and prof is not None:
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
-    del runner.execute
+    del runner.launch
     groups = collections.defaultdict(list)
     for seqs, tok, dt in rows:
         kind = "decode" if seqs == tok else "mixed"
@@ -110,7 +110,7 @@ def profile_steps(llm: LLM, ps, params) -> None:
     print("kind    tokens<=  steps  ms/step (mean)  total s")
     for (kind, cap), v in sorted(groups.items()):
         print(f"{kind:7s} {cap:8d} {len(v):6d} {sum(v) / len(v) * 1e3:14.2f} {sum(v):8.2f}")
-    print(f"all steps: {sum(r[2] for r in rows):.2f} s (execute only, synchronised)")
+    print(f"all steps: {sum(r[2] for r in rows):.2f} s (launch only, synchronised)")
     print("steps 40-44:", [(r[0], r[1], round(r[2] * 1e3, 1)) for r in rows[40:45]])
     if prof is not None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))

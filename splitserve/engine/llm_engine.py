@@ -57,6 +57,7 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         self.args = args
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
         source = resolve_model(args.model)
         self.source = source
         self.model_name = args.served_model_name or source.name
@@ -80,6 +81,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+        logger.info("config and tokenizer loaded in %.1f s", time.perf_counter() - t0)
         t0 = time.perf_counter()
         arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
         logger.info("model built in %.1f s", time.perf_counter() - t0)

@@ -325,7 +325,3 @@ class ModelRunner:
                         entry.setdefault(t, v)
                     logprobs[r.request_id] = entry
         return StepResult(dict(zip(ids, tokens)), logprobs)
-
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """One step, launched and collected (no overlap)."""
-        return self.collect(self.launch(sched))
