@@ -48,8 +48,15 @@ def json_response(body: BaseModel, status: int = 200) -> Response:
     return Response(body.model_dump_json(), status_code=status, media_type="application/json")
 
 
+# Characters that JSON leaves raw inside strings but that line splitters built on str.splitlines
+# (httpx's aiter_lines among them) take for line breaks, cutting an event in two. Escaped, the JSON
+# is the same. (The C0 ones, like \x1c or \x0b, are always escaped by the JSON encoder.)
+_LINE_BREAK_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+    """One server-sent event carrying a JSON payload, on a single line for every line splitter."""
+    return f"data: {payload.translate(_LINE_BREAK_ESCAPES)}\n\n"
 
 
 class OpenAIServing:
