@@ -67,7 +67,7 @@ def main() -> None:
             else:
                 m, n, w, s = var
 
-                def cfg(group_pad, head_dim, max_query_len, m=m, n=n, w=w, s=s):
+                def cfg(group_pad, head_dim, max_query_len, mixed=False, m=m, n=n, w=w, s=s):
                     block_q = max(1, min(m // group_pad, triton.next_power_of_2(max(1, max_query_len))))
                     return max(block_q, triton.cdiv(16, group_pad)), n, w, s
                 pa._ragged_config = cfg

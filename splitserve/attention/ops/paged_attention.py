@@ -166,8 +166,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _ragged_config(group_pad: int, head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_Q, BLOCK_N, num_warps, num_stages) for the ragged kernel."""
+def _ragged_config(group_pad: int, head_dim: int, max_query_len: int, mixed: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_Q, BLOCK_N, num_warps, num_stages) for the ragged kernel. `mixed`: the step's sequences
+    read context beyond their own queries (prefix hits, decode rows, chunks after the first)."""
     # ~BLOCK_M tile rows (tokens x heads) per program: enough rows to amortise each K/V tile, and
     # tl.dot needs >= 16. Short query chunks (decode-heavy batches) shrink the block so the rows
     # are not mostly padding.
@@ -177,7 +178,10 @@ def _ragged_config(group_pad: int, head_dim: int, max_query_len: int) -> tuple[i
     # Tuned on H100 (bf16, D=128, G=4, block_size 16) over long prefill, 16x512 prefill, a 2k chunk
     # on a 4k prefix and 1k prefill + 64 decodes: 64 rows / BLOCK_N 32 / 4 warps / 2 stages was best
     # or within 5% everywhere; 128-row tiles waste too much on the decode rows of mixed batches.
-    block_n = 64 if head_dim <= 64 else 32
+    # Re-measured with benchmarks/attn_tune.py (H100, bf16, D=128, G=4): when queries read more
+    # context than their own chunk, 64-wide K/V tiles are 9% (2k chunk on a 4k prefix) to 16% (1k
+    # prefill + 64 decodes) faster; on fresh prefills 32 stays best (by 2% at 8 x 2k, 13% at 16 x 512).
+    block_n = 64 if head_dim <= 64 or mixed else 32
     return block_q, block_n, 4, 2
 
 
@@ -188,8 +192,7 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32 (device).
     max_query_len / max_seq_len are host ints: max_query_len picks the query block size (and so the
-    grid, T // BLOCK_Q + B programs per KV head); max_seq_len is unused today, kept so callers need
-    not change if a split-K path for long-prefix chunks is added.
+    grid, T // BLOCK_Q + B programs per KV head); with max_seq_len they pick the K/V tile width.
     Rows of q not owned by any sequence (index >= query_start_loc[B], e.g. graph padding) are left
     unwritten in out.
     """
@@ -203,7 +206,8 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     assert block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q, block_n, num_warps, num_stages = _ragged_config(group_pad, head_dim, max_query_len)
+    mixed = max_seq_len > max_query_len or num_seqs * max_query_len > 2 * num_tokens
+    block_q, block_n, num_warps, num_stages = _ragged_config(group_pad, head_dim, max_query_len, mixed)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _ragged_paged_attn_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables,
