@@ -1,11 +1,15 @@
-"""Where engine start-up time goes: cProfile of building the 8B random-weights engine.
+"""Where engine start-up time goes when building the 8B random-weights engine.
 
-    python benchmarks/startup_profile.py     # run it twice: once cold (fresh caches), once warm
+    python benchmarks/startup_profile.py [STATS_FILE]   # run it twice: cold (fresh caches), then warm
+
+It logs each start-up phase with timestamps and dynamo's compile times. With STATS_FILE it also runs
+under cProfile and saves the raw profile (pstats format), to be sorted and read elsewhere.
 """
 import cProfile
 import logging
 import os
 import pstats
+import sys
 import time
 
 T0 = time.perf_counter()
@@ -13,13 +17,19 @@ import torch  # noqa: E402,F401
 
 from splitserve import LLM  # noqa: E402
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
+logging.getLogger("splitserve.worker.cuda_graphs").setLevel(logging.DEBUG)
 print(f"imports {time.perf_counter() - T0:.1f} s")
 cfg = os.path.join(os.path.dirname(__file__), "configs", "llama3-8b")
-pr = cProfile.Profile()
-pr.enable()
+pr = cProfile.Profile() if len(sys.argv) > 1 else None  # the profiler slows Python-heavy phases down
+if pr:
+    pr.enable()
 llm = LLM(cfg, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=1024,
           max_num_batched_tokens=16384)
-pr.disable()
+if pr:
+    pr.disable()
 print(f"process start -> engine ready {time.perf_counter() - T0:.1f} s")
-pstats.Stats(pr).sort_stats("cumulative").print_stats(45)
+print(torch._dynamo.utils.compile_times())
+if pr:
+    pr.dump_stats(sys.argv[1])
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(45)

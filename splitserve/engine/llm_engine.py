@@ -2,9 +2,11 @@
 `LLM` class both drive this."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +54,17 @@ class EngineArgs:
     served_model_name: str | None = None
 
 
+def _load_tokenizer(source, random_weights: bool):
+    try:
+        return load_tokenizer(source)
+    except (OSError, ValueError):
+        if not random_weights:
+            raise
+        # A bare config for performance runs: any tokenizer will do for token-id prompts.
+        logger.warning("no tokenizer next to %s; using the default model's", source.path)
+        return load_tokenizer(None)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs):
         args = args or EngineArgs(**kwargs)
@@ -61,31 +74,27 @@ class LLMEngine:
         source = resolve_model(args.model)
         self.source = source
         self.model_name = args.served_model_name or source.name
+        # Requests need the tokenizer, building the model does not: load it (transformers' import is
+        # seconds of it) on a thread while the model is built, compiled and captured, work that waits
+        # on the GPU and on compiler processes for much of its time.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-tokenizer")
+        tokenizer_future = pool.submit(_load_tokenizer, source, args.random_weights)
+        pool.shutdown(wait=False)
+        # (If building fails, its error propagates; the thread finishes on its own.)
         hf_config = load_hf_config(source)
         dtype = resolve_dtype(args.dtype, hf_config, device)
-        try:
-            self.tokenizer = load_tokenizer(source)
-        except (OSError, ValueError):
-            if not args.random_weights:
-                raise
-            # A bare config for performance runs: any tokenizer will do for token-id prompts.
-            logger.warning("no tokenizer next to %s; using the default model's", source.path)
-            self.tokenizer = load_tokenizer(None)
-
         context = getattr(hf_config, "max_position_embeddings", None) or 2048
         if args.max_model_len is not None and args.max_model_len > context:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
         max_model_len = args.max_model_len or context
         eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
         eos |= set(read_generation_eos(source))
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
         backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
-        logger.info("config and tokenizer loaded in %.1f s", time.perf_counter() - t0)
+        logger.info("config loaded in %.1f s", time.perf_counter() - t0)
         t0 = time.perf_counter()
         arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
         logger.info("model built in %.1f s", time.perf_counter() - t0)
-        self.config = EngineConfig(
+        config = EngineConfig(
             model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
                               tuple(sorted(eos))),
             cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
@@ -93,12 +102,19 @@ class LLMEngine:
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
             parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
             device=device, attention_backend=backend)
-        self.runner = ModelRunner(self.config, model)
-        from splitserve.multimodal.processor import build_mm_processor
-        self.mm_processor = build_mm_processor(model, source, self.tokenizer)  # None for text-only models
+        self.runner = ModelRunner(config, model)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_fast_path()
+        t0 = time.perf_counter()
+        self.tokenizer = tokenizer_future.result()  # re-raises the thread's error, if any
+        logger.info("waited %.1f s for the tokenizer", time.perf_counter() - t0)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.config = dataclasses.replace(config, model=dataclasses.replace(config.model, eos_token_ids=tuple(sorted(eos))))
+        self.runner.config = self.config
+        from splitserve.multimodal.processor import build_mm_processor
+        self.mm_processor = build_mm_processor(model, source, self.tokenizer)  # None for text-only models
         install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.kv_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)

@@ -49,6 +49,12 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def start_residual(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream before the first layer: zeros, so that layer 0's norm(x + residual) is
+    exactly norm(x) and every layer runs the same code."""
+    return torch.zeros_like(x)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, rotary: RotaryEmbedding):
         super().__init__()
@@ -59,11 +65,10 @@ class LlamaDecoderLayer(nn.Module):
 
     # The layer in two batchful halves around the batchless attention op. Compiled (and, for
     # piecewise CUDA graphs, captured) separately; forward is just the two with the op between.
+    # The residual is always a tensor (zeros before the first layer, see start_residual): one compiled
+    # graph per half, where a None there would make dynamo compile a second one for layer 0.
     def attn_inputs(self, positions, x, residual):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm(x, residual)
         q, k, v = self.self_attn.qkv(positions, x)
         return q, k, v, residual
 
@@ -101,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[T] token ids and positions -> [T, hidden] final hidden states."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
+        residual = start_residual(x)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)

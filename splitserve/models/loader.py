@@ -12,9 +12,7 @@ from tqdm import tqdm
 
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource
-
-# model_type -> architecture, for configs derived from GGUF metadata (they name no architecture).
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from splitserve.models.text_config import ARCH_BY_MODEL_TYPE, read_text_config, text_config_from_dict
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -30,13 +28,12 @@ def gguf_reader(path: str):
 def gguf_hf_config(path: str):
     """An HF config from a GGUF file's metadata. Reading the few keys directly is much faster than
     transformers' converter, which parses the whole file (vocabulary included) to get them."""
-    from transformers import AutoConfig
     reader = gguf_reader(path)
     meta = {k: f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
     arch = meta["general.architecture"]
-    if arch not in _ARCH_BY_MODEL_TYPE:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCH_BY_MODEL_TYPE)}")
+    if arch not in ARCH_BY_MODEL_TYPE:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCH_BY_MODEL_TYPE)}")
     names = {t.name for t in reader.tensors}
     heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
@@ -51,23 +48,24 @@ def gguf_hf_config(path: str):
         vocab_size=meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
-    config = AutoConfig.for_model(arch, **kw)
-    config.architectures = [_ARCH_BY_MODEL_TYPE[arch]]
-    return config
+    return text_config_from_dict({"model_type": arch, **kw})
 
 
 def load_hf_config(source: ModelSource):
-    from transformers import AutoConfig
     from splitserve.models.vila import is_vila_dir, load_vila_config
     if source.gguf_file:
-        config = gguf_hf_config(source.path)
-    elif is_vila_dir(source.directory):
+        return gguf_hf_config(source.path)
+    if is_vila_dir(source.directory):
         config = load_vila_config(source.directory)
     else:
+        config = read_text_config(source.directory)
+        if config is not None:
+            return config
+        from transformers import AutoConfig
         config = AutoConfig.from_pretrained(source.directory)
     expose_text_config(config)
     if not getattr(config, "architectures", None):
-        arch = _ARCH_BY_MODEL_TYPE.get(config.model_type)
+        arch = ARCH_BY_MODEL_TYPE.get(config.model_type)
         config.architectures = [arch] if arch else [f"<model_type {config.model_type}>"]
     return config
 

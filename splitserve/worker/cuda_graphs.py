@@ -21,6 +21,7 @@ import torch
 
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
+from splitserve.models.llama import start_residual
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,15 @@ class DecodeGraphs:
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
         n, dev = self.max_size, device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # Static inputs are inference tensors like every other input of the compiled layers: a normal
+        # tensor has another dispatch key set, and dynamo would compile the layers again for it.
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+            self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+            self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.backend_factory = backend_factory  # batch size -> backend with a fixed decode grid
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits here: one [max_size, vocab] fp32 buffer instead of one per
@@ -65,6 +69,7 @@ class DecodeGraphs:
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
         start = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            t = time.perf_counter()
             with torch.cuda.stream(stream):
                 self._forward(bs)  # warm-up: compile, autotune, allocate outside the graph
             torch.cuda.current_stream().wait_stream(stream)
@@ -72,6 +77,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._forward(bs)
             self.graphs[bs] = graph
+            logger.debug("decode graph for %d sequences captured in %.2f s", bs, time.perf_counter() - t)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
                     len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - start)
@@ -117,12 +123,13 @@ class PiecewiseGraphs:
         attn = self.layers[0].self_attn
         dtype = attn.o_proj.weight.dtype
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.q = torch.zeros(n, q_size, dtype=dtype, device=dev)
-        self.k = torch.zeros(n, kv_size, dtype=dtype, device=dev)
-        self.v = torch.zeros(n, kv_size, dtype=dtype, device=dev)
-        self.attn_out = torch.zeros(n, q_size, dtype=dtype, device=dev)
+        with torch.inference_mode():  # as in DecodeGraphs: one compiled graph per layer half
+            self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+            self.q = torch.zeros(n, q_size, dtype=dtype, device=dev)
+            self.k = torch.zeros(n, kv_size, dtype=dtype, device=dev)
+            self.v = torch.zeros(n, kv_size, dtype=dtype, device=dev)
+            self.attn_out = torch.zeros(n, q_size, dtype=dtype, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -136,6 +143,7 @@ class PiecewiseGraphs:
         """Runs segment j at n tokens; returns the residual stream (the hidden states after the last)."""
         if j == 0:
             x = self.model.embed(self.input_ids[:n])
+            residual = start_residual(x)
         else:
             x, residual = self.layers[j - 1].attn_outputs(self.attn_out[:n], residual)
         if j == len(self.layers):
