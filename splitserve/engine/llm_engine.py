@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.output_processor import RequestOutput, RequestState
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.resolve import load_tokenizer, resolve_model
+from splitserve.models.text_config import TextConfig
 from splitserve.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 from splitserve.worker.model_runner import ModelRunner
@@ -74,14 +75,18 @@ class LLMEngine:
         source = resolve_model(args.model)
         self.source = source
         self.model_name = args.served_model_name or source.name
-        # Requests need the tokenizer, building the model does not: load it (transformers' import is
-        # seconds of it) on a thread while the model is built, compiled and captured, work that waits
-        # on the GPU and on compiler processes for much of its time.
-        pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-tokenizer")
-        tokenizer_future = pool.submit(_load_tokenizer, source, args.random_weights)
-        pool.shutdown(wait=False)
-        # (If building fails, its error propagates; the thread finishes on its own.)
         hf_config = load_hf_config(source)
+        # Requests need the tokenizer, building the model does not. For a config read natively nothing
+        # below imports transformers, so the tokenizer (transformers' import is seconds of it) loads on
+        # a thread meanwhile; importing transformers from two threads at once is not safe, so other
+        # models load it first. (If building fails, its error propagates; the thread ends on its own.)
+        if isinstance(hf_config, TextConfig):
+            pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-tokenizer")
+            tokenizer_future = pool.submit(_load_tokenizer, source, args.random_weights)
+            pool.shutdown(wait=False)
+        else:
+            tokenizer_future = Future()
+            tokenizer_future.set_result(_load_tokenizer(source, args.random_weights))
         dtype = resolve_dtype(args.dtype, hf_config, device)
         context = getattr(hf_config, "max_position_embeddings", None) or 2048
         if args.max_model_len is not None and args.max_model_len > context:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -69,10 +70,54 @@ def _cache_dir() -> str:
     return os.environ.get("SPLITSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
 
 
+# The classes a tokenizer_config.json names when the tokenizer is a plain tokenizer.json (Llama 3,
+# SmolLM2, most recent checkpoints); transformers 5 makes the two one class. AutoTokenizer resolves
+# them to that class too, except for model types it maps to their own class (Qwen2, Mistral, LLaVA):
+# those keep going through it, as does every other class.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_PLAIN_MODEL_TYPES = ("llama",)
+
+
+def _read_json(directory: str, name: str):
+    """A JSON file's content; None if it is absent, False if it is unreadable."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def named_tokenizer_class(directory: str):
+    """transformers' generic fast tokenizer class where tokenizer_config.json names it, else None
+    (AutoTokenizer decides).
+
+    Why not always AutoTokenizer: importing it imports transformers' auto-model machinery (on the GPU
+    image that pulls in torch.distributed.tensor, scikit-learn and dynamo: ~9 s of start-up), and for
+    a generic class it resolves to that same class (tests/unit/test_tokenizer_class.py checks it)."""
+    cfg, model_cfg = _read_json(directory, "tokenizer_config.json"), _read_json(directory, "config.json")
+    if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in _GENERIC_TOKENIZER_CLASSES \
+            or cfg.get("auto_map") or not os.path.exists(os.path.join(directory, "tokenizer.json")):
+        return None
+    if model_cfg is not None and (not isinstance(model_cfg, dict) or model_cfg.get("model_type") not in _PLAIN_MODEL_TYPES):
+        return None
+    import transformers
+    return getattr(transformers, "TokenizersBackend", None) or transformers.PreTrainedTokenizerFast
+
+
+def _from_pretrained(directory: str):
+    cls = named_tokenizer_class(directory)
+    if cls is None:
+        from transformers import AutoTokenizer
+        cls = AutoTokenizer
+    return cls.from_pretrained(directory)
+
+
 def load_tokenizer(source: ModelSource | str | None):
     """The model's Hugging Face tokenizer (with its chat template). A GGUF file's tokenizer is
     converted once by transformers and kept in a local cache: the conversion takes seconds."""
-    from transformers import AutoTokenizer
     if not isinstance(source, ModelSource):
         source = resolve_model(source)
     if not source.gguf_file:
@@ -81,15 +126,16 @@ def load_tokenizer(source: ModelSource | str | None):
         if not os.path.exists(os.path.join(directory, "tokenizer_config.json")) and \
                 os.path.exists(os.path.join(directory, "llm", "tokenizer_config.json")):
             directory = os.path.join(directory, "llm")
-        return AutoTokenizer.from_pretrained(directory)
+        return _from_pretrained(directory)
     stat = os.stat(source.path)
     key = hashlib.sha256(f"{os.path.abspath(source.path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(_cache_dir(), "tokenizers", key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _from_pretrained(cached)
         except Exception:  # a broken cache entry is rebuilt below
             pass
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
     try:
         tmp = f"{cached}.tmp{os.getpid()}"
