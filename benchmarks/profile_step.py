@@ -183,6 +183,25 @@ def kernel_table(prof, wall_s: float, label: str, rows: int = 16) -> None:
         print(f"  {e.self_device_time_total / 1e3:10.2f} ms {e.count:7d}x  {e.key[:90]}")
 
 
+def gpu_gaps(prof, label: str, top: int = 8) -> None:
+    """Idle time of the GPU between device events (kernels and copies): the part of the wall time no
+    kernel work covers, and the longest gaps with their offsets into the run."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return
+    gaps, end = [], spans[0][1]
+    for s, e in spans[1:]:
+        if s > end:
+            gaps.append((s - end, end - spans[0][0]))
+        end = max(end, e)
+    idle = sum(g for g, _ in gaps) / 1e3
+    print(f"{label}: GPU idle {idle:.1f} ms of {(end - spans[0][0]) / 1e3:.1f} ms between first and last device event; "
+          f"gaps > 0.1 ms: {sum(g > 100 for g, _ in gaps)} ({sum(g for g, _ in gaps if g > 100) / 1e3:.1f} ms)")
+    for g, at in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g / 1e3:8.2f} ms gap at {at / 1e3:9.1f} ms")
+
+
 def trace(llm: LLM, ps) -> None:
     from torch.profiler import ProfilerActivity, profile
     g = llm.engine.runner.graphs.graphs[2]
@@ -202,6 +221,7 @@ def trace(llm: LLM, ps) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     kernel_table(prof, wall, "one 1000 x 128/128 run (profiled)", rows=24)
+    gpu_gaps(prof, "one 1000 x 128/128 run")
 
 
 if __name__ == "__main__":

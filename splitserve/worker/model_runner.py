@@ -73,6 +73,20 @@ def supports_piecewise(model: torch.nn.Module) -> bool:
     return bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
 
 
+def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
+    """(sequences, query tokens each, context tokens each) of the start-up warm-up steps: every query
+    length class of the attention kernel (powers of two up to its largest query block) and a long
+    prefill, each fresh and with context before it (prefix hits, later chunks, decode rows in a mixed
+    step), which picks other K/V tiles. No step of a single token: Inductor would specialise on it.
+    tests/unit/test_warm_up.py checks they reach every kernel variant a step can pick."""
+    layouts = []
+    for q_len in sorted({1, 2, 4, 8, 16, 32, 64, min(budget, 512)}):
+        num_seqs = max(1, min(budget, 256) // q_len) if q_len < 16 else 1
+        if q_len <= budget and num_seqs * q_len > 1:
+            layouts += [(num_seqs, q_len, 0), (num_seqs, q_len, block_size)]
+    return layouts
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor        # [T]
@@ -177,24 +191,23 @@ class ModelRunner:
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
     def _warm_up_eager(self) -> None:
-        """Runs the compiled model at a few multi-token shapes so that compilation (Inductor, and the
-        attention kernel's variants by query length) happens at start-up, not on the first requests.
-        Writes go to slot -1 only, so the cache is untouched."""
+        """Runs the compiled model at a few multi-token layouts so that compilation (Inductor, and the
+        attention kernel's variants) happens at start-up, not on the first requests. Writes go to slot
+        -1 only, so the cache is untouched; context is read from block 0 and discarded."""
         dev = self.device
-        budget = self.config.scheduler.max_num_batched_tokens
-        for q_len in (2, 4, 8, 16, min(budget, 512)):
-            num_seqs = max(1, min(budget, 256) // q_len) if q_len < 16 else 1
-            total = num_seqs * q_len
+        for num_seqs, q_len, context in warm_up_layouts(self.config.scheduler.max_num_batched_tokens, self.block_size):
+            total, seq_len = num_seqs * q_len, q_len + context
             meta = AttentionMetadata(
                 slot_mapping=torch.full((total,), -1, dtype=torch.long, device=dev),
                 query_start_loc=torch.arange(0, total + 1, q_len, dtype=torch.int32, device=dev),
-                seq_lens=torch.full((num_seqs,), q_len, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros(num_seqs, -(-q_len // self.block_size), dtype=torch.int32, device=dev),
-                max_query_len=q_len, max_seq_len=q_len,
+                seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(num_seqs, -(-seq_len // self.block_size), dtype=torch.int32, device=dev),
+                max_query_len=q_len, max_seq_len=seq_len,
                 query_start_loc_cpu=torch.arange(0, total + 1, q_len, dtype=torch.int32),
-                seq_lens_cpu=torch.full((num_seqs,), q_len, dtype=torch.int32))
+                seq_lens_cpu=torch.full((num_seqs,), seq_len, dtype=torch.int32))
+            positions = context + torch.arange(total, device=dev) % q_len
             with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend)):
-                self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.arange(total, device=dev) % q_len)
+                self.model(torch.zeros(total, dtype=torch.long, device=dev), positions)
 
     # -- one step --------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:

@@ -185,6 +185,14 @@ def _ragged_config(group_pad: int, head_dim: int, max_query_len: int, mixed: boo
     return block_q, block_n, 4, 2
 
 
+def ragged_variant(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int, num_heads: int,
+                   num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """The ragged kernel's compile-time configuration for a step's layout (see _ragged_config)."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    mixed = max_seq_len > max_query_len or num_seqs * max_query_len > 2 * num_tokens
+    return _ragged_config(group_pad, head_dim, max_query_len, mixed)
+
+
 def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                            max_seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,8 +214,8 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     assert block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    mixed = max_seq_len > max_query_len or num_seqs * max_query_len > 2 * num_tokens
-    block_q, block_n, num_warps, num_stages = _ragged_config(group_pad, head_dim, max_query_len, mixed)
+    block_q, block_n, num_warps, num_stages = ragged_variant(num_tokens, num_seqs, max_query_len, max_seq_len,
+                                                             num_heads, num_kv_heads, head_dim)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _ragged_paged_attn_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables,
