@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,7 @@ class LLMEngine:
         # Requests need the tokenizer, building the model does not. For a config read natively nothing
         # below imports transformers, so the tokenizer (transformers' import is seconds of it) loads on
         # a thread meanwhile; importing transformers from two threads at once is not safe, so other
-        # models load it first. (If building fails, its error propagates; the thread ends on its own.)
+        # models load it first.
         if isinstance(hf_config, TextConfig):
             pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-tokenizer")
             tokenizer_future = pool.submit(_load_tokenizer, source, args.random_weights)
@@ -87,30 +88,35 @@ class LLMEngine:
         else:
             tokenizer_future = Future()
             tokenizer_future.set_result(_load_tokenizer(source, args.random_weights))
-        dtype = resolve_dtype(args.dtype, hf_config, device)
-        context = getattr(hf_config, "max_position_embeddings", None) or 2048
-        if args.max_model_len is not None and args.max_model_len > context:
-            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
-        max_model_len = args.max_model_len or context
-        eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
-        eos |= set(read_generation_eos(source))
-        backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
-        logger.info("config loaded in %.1f s", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
-        logger.info("model built in %.1f s", time.perf_counter() - t0)
-        config = EngineConfig(
-            model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
-                              tuple(sorted(eos))),
-            cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
-                              args.cpu_kv_cache_gib, args.enable_prefix_caching),
-            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
-            parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
-            device=device, attention_backend=backend)
-        self.runner = ModelRunner(config, model)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.setup_fast_path()
+        try:
+            dtype = resolve_dtype(args.dtype, hf_config, device)
+            context = getattr(hf_config, "max_position_embeddings", None) or 2048
+            if args.max_model_len is not None and args.max_model_len > context:
+                raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
+            max_model_len = args.max_model_len or context
+            eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
+            eos |= set(read_generation_eos(source))
+            backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+            logger.info("config loaded in %.1f s", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
+            logger.info("model built in %.1f s", time.perf_counter() - t0)
+            config = EngineConfig(
+                model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
+                                  tuple(sorted(eos))),
+                cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
+                                  args.cpu_kv_cache_gib, args.enable_prefix_caching),
+                scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
+                parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
+                device=device, attention_backend=backend)
+            self.runner = ModelRunner(config, model)
+            num_blocks = self.runner.determine_num_blocks()
+            self.runner.allocate_kv_cache(num_blocks)
+            self.runner.setup_fast_path()
+        except BaseException:
+            # A caller that goes on to import transformers must not race the thread doing it.
+            futures_wait([tokenizer_future])
+            raise
         t0 = time.perf_counter()
         self.tokenizer = tokenizer_future.result()  # re-raises the thread's error, if any
         logger.info("waited %.1f s for the tokenizer", time.perf_counter() - t0)

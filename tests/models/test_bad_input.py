@@ -33,6 +33,16 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, params, match):
     assert llm.engine.kv_manager.pool.is_whole()
 
 
+def test_max_model_len_beyond_the_model_fails_and_leaves_no_thread_behind(tmp_path):
+    """Engine arguments that do not fit the model fail at once with the cause; the tokenizer thread has
+    ended by then (the caller may go on to import transformers, which must not race it)."""
+    import threading
+    path = make_tiny_llama_dir(tmp_path, load_tokenizer(None), num_kv_heads=2, tie=True)
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's context of 512"):
+        LLM(path, max_model_len=100000, num_blocks=16)
+    assert not any(t.name.startswith("splitserve-tokenizer") for t in threading.enumerate())
+
+
 def test_request_larger_than_the_kv_cache(tmp_path):
     path = make_tiny_llama_dir(tmp_path, load_tokenizer(None), num_kv_heads=2, tie=True)
     small = LLM(path, max_model_len=256, num_blocks=4, block_size=16)  # 64 tokens of cache
