@@ -25,9 +25,6 @@ class TextConfig(SimpleNamespace):
     """Attribute access to a decoder config, like a transformers config; unknown fields read as
     missing (`getattr(config, name, default)`), as the engine's readers expect."""
 
-    def to_dict(self) -> dict:
-        return dict(vars(self))
-
 
 def text_config_from_dict(cfg: dict) -> TextConfig | None:
     """A TextConfig for a Llama-family config dict, or None where transformers should read it."""
