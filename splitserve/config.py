@@ -84,6 +84,9 @@ class CompileConfig:
     # GPU time dwarfs the launch cost of running the compiled segments without graphs.
     piecewise_token_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
+    def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
+        return [b for b in self.cudagraph_batch_sizes if b <= max_num_seqs]
+
 
 @dataclass(frozen=True)
 class EngineConfig:

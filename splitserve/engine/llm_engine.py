@@ -23,6 +23,7 @@ from splitserve.models.resolve import load_tokenizer, resolve_model
 from splitserve.models.text_config import TextConfig
 from splitserve.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
+from splitserve.worker.kernel_precompile import start_attention_precompile
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,21 @@ class LLMEngine:
         self.source = source
         self.model_name = args.served_model_name or source.name
         hf_config = load_hf_config(source)
+        dtype = resolve_dtype(args.dtype, hf_config, device)
+        context = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if args.max_model_len is not None and args.max_model_len > context:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
+        max_model_len = args.max_model_len or context
+        eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
+        eos |= set(read_generation_eos(source))
+        backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+        compile_config = CompileConfig(enforce_eager=args.enforce_eager)
+        # The attention kernels compile in forked children while the model is built and compiled;
+        # forked before any thread of ours starts.
+        precompile = None
+        if device.startswith("cuda") and backend == "triton" and not args.enforce_eager:
+            precompile = start_attention_precompile(hf_config, dtype, args.block_size, args.max_num_batched_tokens,
+                                                    max_model_len, compile_config.decode_graph_sizes(args.max_num_seqs))
         # Requests need the tokenizer, building the model does not. For a config read natively nothing
         # below imports transformers, so the tokenizer (transformers' import is seconds of it) loads on
         # a thread meanwhile; importing transformers from two threads at once is not safe, so other
@@ -89,14 +105,6 @@ class LLMEngine:
             tokenizer_future = Future()
             tokenizer_future.set_result(_load_tokenizer(source, args.random_weights))
         try:
-            dtype = resolve_dtype(args.dtype, hf_config, device)
-            context = getattr(hf_config, "max_position_embeddings", None) or 2048
-            if args.max_model_len is not None and args.max_model_len > context:
-                raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
-            max_model_len = args.max_model_len or context
-            eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
-            eos |= set(read_generation_eos(source))
-            backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
             logger.info("config loaded in %.1f s", time.perf_counter() - t0)
             t0 = time.perf_counter()
             arch, model = load_model(source, hf_config, dtype, device, args.random_weights)
@@ -107,15 +115,19 @@ class LLMEngine:
                 cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
                                   args.cpu_kv_cache_gib, args.enable_prefix_caching),
                 scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
-                parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
+                parallel=ParallelConfig(), compile=compile_config,
                 device=device, attention_backend=backend)
             self.runner = ModelRunner(config, model)
             num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(num_blocks)
             self.runner.setup_fast_path()
+            if precompile is not None:
+                precompile.finish()
         except BaseException:
             # A caller that goes on to import transformers must not race the thread doing it.
             futures_wait([tokenizer_future])
+            if precompile is not None:
+                precompile.finish()
             raise
         t0 = time.perf_counter()
         self.tokenizer = tokenizer_future.result()  # re-raises the thread's error, if any

@@ -87,6 +87,23 @@ def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
     return layouts
 
 
+def warm_up_batch(num_seqs: int, q_len: int, context: int, block_size: int,
+                  device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and positions of one warm-up step: num_seqs sequences of q_len new tokens after
+    `context` tokens each. Slots are -1 (nothing is stored); every block table points at block 0."""
+    total, seq_len = num_seqs * q_len, q_len + context
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((total,), -1, dtype=torch.long, device=device),
+        query_start_loc=torch.arange(0, total + 1, q_len, dtype=torch.int32, device=device),
+        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(num_seqs, -(-seq_len // block_size), dtype=torch.int32, device=device),
+        max_query_len=q_len, max_seq_len=seq_len,
+        query_start_loc_cpu=torch.arange(0, total + 1, q_len, dtype=torch.int32),
+        seq_lens_cpu=torch.full((num_seqs,), seq_len, dtype=torch.int32))
+    positions = context + torch.arange(total, device=device) % q_len
+    return meta, positions
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor        # [T]
@@ -167,7 +184,7 @@ class ModelRunner:
             return
         start = time.perf_counter()
         compile_decoder_layers(self.model)
-        sizes = [b for b in self.config.compile.cudagraph_batch_sizes if b <= self.config.scheduler.max_num_seqs]
+        sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
         if self.backend.name == "triton":
             from splitserve.attention.ops.paged_attention import default_num_splits
             from splitserve.attention.triton_backend import TritonBackend
@@ -190,24 +207,15 @@ class ModelRunner:
             self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
+    @torch.inference_mode()  # inputs made here must be inference tensors, as when serving
     def _warm_up_eager(self) -> None:
         """Runs the compiled model at a few multi-token layouts so that compilation (Inductor, and the
         attention kernel's variants) happens at start-up, not on the first requests. Writes go to slot
         -1 only, so the cache is untouched; context is read from block 0 and discarded."""
-        dev = self.device
         for num_seqs, q_len, context in warm_up_layouts(self.config.scheduler.max_num_batched_tokens, self.block_size):
-            total, seq_len = num_seqs * q_len, q_len + context
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((total,), -1, dtype=torch.long, device=dev),
-                query_start_loc=torch.arange(0, total + 1, q_len, dtype=torch.int32, device=dev),
-                seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros(num_seqs, -(-seq_len // self.block_size), dtype=torch.int32, device=dev),
-                max_query_len=q_len, max_seq_len=seq_len,
-                query_start_loc_cpu=torch.arange(0, total + 1, q_len, dtype=torch.int32),
-                seq_lens_cpu=torch.full((num_seqs,), seq_len, dtype=torch.int32))
-            positions = context + torch.arange(total, device=dev) % q_len
-            with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend)):
-                self.model(torch.zeros(total, dtype=torch.long, device=dev), positions)
+            meta, positions = warm_up_batch(num_seqs, q_len, context, self.block_size, self.device)
+            with forward_context(ForwardContext(meta, self.backend)):
+                self.model(torch.zeros(positions.shape[0], dtype=torch.long, device=self.device), positions)
 
     # -- one step --------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:

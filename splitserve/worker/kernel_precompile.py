@@ -1,0 +1,189 @@
+"""Compiles the Triton attention kernels in child processes while the engine builds its model.
+
+Triton compiles a kernel on its first launch, in the launching process, holding the GIL: on the
+8B config the warm-up and decode-graph capture compiled ten attention kernel variants and their C
+launchers one after another, ~9 s of a ~35 s cold start (H100, BENCHMARKS.md). Triton also keeps
+every compiled kernel and launcher in its on-disk cache (TRITON_CACHE_DIR), keyed by the kernel's
+source, its specialisation (argument dtypes, alignment, constexprs) and the compile options.
+
+So at engine start, before the model is built, a few forked children run the engine's own attention
+launches (the warm-up layouts and every decode-graph batch size) through the Triton backend on
+`meta` tensors of the same shapes, strides and dtypes, with Triton switched to compile-only: each
+launch compiles its kernel and launcher into the cache and runs nothing. The children never touch
+CUDA (a stand-in driver tells Triton the GPU's architecture), so forking after the parent has
+initialised CUDA is safe. When the parent later launches the same kernels, Triton finds them on disk.
+
+Nothing depends on the children: if one fails, is slow, or the cache is off, the parent compiles
+that kernel itself as before. tests/unit/test_kernel_precompile.py checks on CPU that kernels
+compiled this way are cache hits for launches on real tensors.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionKernelSpec:
+    """Everything that decides which attention kernel variants the engine will launch."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    budget: int                                 # max_num_batched_tokens
+    max_model_len: int
+    decode_splits: tuple[tuple[int, int], ...]  # (batch size, split count) of each decode graph
+    num_sms: int                                # what the split-count heuristic sees
+    capability: int                             # e.g. 90 for sm_90
+
+
+def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.device("meta")):
+    """Yields (backend, q, k, v, kv_cache, meta) for each attention call of the engine's start-up:
+    one per warm-up layout (model_runner.warm_up_layouts) and one per decode-graph batch size, on
+    tensors laid out like the engine's (meta tensors: no memory, same strides)."""
+    from splitserve.attention.backend import AttentionMetadata
+    from splitserve.attention.triton_backend import TritonBackend
+    from splitserve.worker.model_runner import warm_up_batch, warm_up_layouts
+
+    dev = device
+    cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=dev)
+    max_blocks = -(-spec.max_model_len // spec.block_size)
+
+    def qkv(num_tokens):
+        q = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=dev)
+        k = torch.empty(num_tokens, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=dev)
+        return q, k, torch.empty_like(k)
+
+    for num_seqs, q_len, context in warm_up_layouts(spec.budget, spec.block_size):
+        meta, _ = warm_up_batch(num_seqs, q_len, context, spec.block_size, dev)
+        yield (TritonBackend(), *qkv(num_seqs * q_len), cache, meta)
+    for bs, splits in spec.decode_splits:
+        meta = AttentionMetadata(  # as DecodeGraphs lays out its static buffers
+            slot_mapping=torch.empty(bs, dtype=torch.long, device=dev),
+            query_start_loc=torch.empty(bs + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.empty(bs, dtype=torch.int32, device=dev),
+            block_tables=torch.empty(bs, max_blocks, dtype=torch.int32, device=dev),
+            max_query_len=1, max_seq_len=spec.max_model_len,
+            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32), seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
+        yield (TritonBackend(splits), *qkv(bs), cache, meta)
+
+
+class _CompileOnlyDriver:
+    """What Triton's launch path asks of its driver, answered without CUDA."""
+
+    def __init__(self, capability: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def compile_only_mode(capability: int) -> None:
+    """Turns this process's Triton launches into compile-only calls for an sm_<capability> GPU: each
+    launch compiles its kernel and C launcher into the on-disk cache and returns without running.
+    Only for a throwaway process (the children here, or a test's subprocess)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_CompileOnlyDriver(capability))
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        try:
+            CudaLauncher(kernel.src, kernel.metadata)  # builds (and caches) the launcher the parent loads
+        except Exception:  # noqa: BLE001 -- linking it needs libcuda (absent on CPU test machines)
+            pass
+        return kernel
+
+    JITFunction.run = compile_only
+
+
+def compile_launches(spec: AttentionKernelSpec, worker: int = 0, num_workers: int = 1,
+                     device: torch.device = torch.device("meta")) -> None:
+    """Compiles this worker's share of the start-up launches (every num_workers-th)."""
+    from splitserve.attention.ops import paged_attention
+    paged_attention._num_sms = lambda device_index: spec.num_sms  # the parent's GPU, without CUDA
+    compile_only_mode(spec.capability)
+    for i, (backend, q, k, v, cache, meta) in enumerate(attention_launches(spec, device)):
+        if i % num_workers == worker:
+            backend.forward(q, k, v, cache, meta, spec.head_dim ** -0.5)
+
+
+def _child(spec: AttentionKernelSpec, worker: int, num_workers: int) -> None:
+    try:
+        if worker == 0:  # the driver's own helper module, which the parent builds on first use
+            from triton.backends.nvidia.driver import CudaUtils
+            try:
+                CudaUtils()
+            except Exception:  # noqa: BLE001 -- loading it may need a GPU; it is cached by then
+                pass
+        compile_launches(spec, worker, num_workers)
+    except Exception as exc:  # noqa: BLE001 -- the parent compiles whatever is missing
+        logger.debug("precompile worker %d failed: %r", worker, exc)
+        sys.exit(1)
+
+
+class AttentionPrecompile:
+    """The running children; `finish` reaps them once the parent has launched every kernel."""
+
+    def __init__(self, spec: AttentionKernelSpec, num_workers: int):
+        self.start = time.perf_counter()
+        ctx = multiprocessing.get_context("fork")
+        self.procs = [ctx.Process(target=_child, args=(spec, i, num_workers), daemon=True,
+                                  name=f"splitserve-precompile-{i}") for i in range(num_workers)]
+        with warnings.catch_warnings():
+            # Python warns on forking a process with threads (a second engine in one process, or
+            # Inductor's pool): the children only compile, they need no lock another thread held.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for p in self.procs:
+                p.start()
+
+    def finish(self) -> None:
+        for p in self.procs:
+            p.join(timeout=0)
+            if p.is_alive():
+                p.terminate()
+        codes = [p.exitcode for p in self.procs]
+        logger.info("attention kernels precompiled by %d child processes (exit codes %s), %.1f s after start",
+                    len(self.procs), codes, time.perf_counter() - self.start)
+
+
+def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, budget: int, max_model_len: int,
+                               batch_sizes: list[int]) -> AttentionPrecompile | None:
+    """Starts the children for a CUDA engine with the Triton backend and compiled graphs; None when
+    the config's attention shape is not readable here (the parent then compiles as before)."""
+    from splitserve.attention.ops.paged_attention import default_num_splits
+    text = getattr(hf_config, "text_config", None) or hf_config
+    try:
+        num_heads = text.num_attention_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    except AttributeError:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec = AttentionKernelSpec(
+        num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
+        tuple((bs, default_num_splits(bs, num_kv_heads, max_model_len, device)) for bs in batch_sizes),
+        num_sms, major * 10 + minor)
+    return AttentionPrecompile(spec, num_workers=max(1, min(6, (os.cpu_count() or 2) // 2)))

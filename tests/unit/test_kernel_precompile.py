@@ -1,0 +1,64 @@
+"""The attention-kernel precompile (worker/kernel_precompile.py) on CPU.
+
+Children compile the engine's start-up attention launches from meta tensors into Triton's on-disk
+cache for an sm_90 GPU (Triton ships ptxas, so no GPU is needed to compile). The engine later
+launches the same kernels on real tensors; those launches must find every kernel in the cache.
+Here the "real" launches run on CPU tensors in compile-only mode, and Triton's compilation listener
+reports whether each was a cache hit. Runs in subprocesses: the kernel tests switch this process's
+Triton to the interpreter, and compile-only mode patches Triton for good.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import sys, torch
+from triton import knobs
+from splitserve.worker import kernel_precompile as kp
+dtype = getattr(torch, sys.argv[2])
+# A GQA shape (8 heads over 2 KV heads, head_dim 64), a 512-token budget, three decode graph sizes
+# with 8, 4 and 1 splits: every kernel and variant the engine launches at start-up.
+spec = kp.AttentionKernelSpec(8, 2, 64, dtype, 16, 512, 4096, ((2, 8), (4, 4), (64, 1)), 132, 90)
+if sys.argv[1] == "children":
+    pre = kp.AttentionPrecompile(spec, num_workers=2)
+    for p in pre.procs:
+        p.join()
+    print("exit codes", [p.exitcode for p in pre.procs])
+else:
+    seen = []
+    knobs.compilation.listener = lambda src, metadata, metadata_group, times, cache_hit: seen.append(
+        (src.fn.__name__, cache_hit))
+    kp.compile_launches(spec, device=torch.device("cpu"))
+    print("RESULT", seen)
+"""
+
+
+def _run(tmp_path, phase: str, dtype: str):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, phase, dtype], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_precompiled_kernels_are_cache_hits_for_real_launches(tmp_path):
+    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16")
+    seen = eval(_run(tmp_path, "real", "bfloat16").split("RESULT", 1)[1])
+    names = {name for name, _ in seen}
+    # store, the ragged kernel's variants, decode with and without splits, and the split merge
+    assert names == {"_store_kv_kernel", "_ragged_paged_attn_kernel", "_decode_split_kernel", "_decode_reduce_kernel"}
+    assert sum(name == "_ragged_paged_attn_kernel" for name, _ in seen) >= 2
+    assert all(hit for _, hit in seen), seen
+
+
+def test_other_specialisations_miss_the_cache(tmp_path):
+    # The control: the listener does report misses. fp16 launches against a bf16 precompile miss.
+    _run(tmp_path, "children", "bfloat16")
+    seen = eval(_run(tmp_path, "real", "float16").split("RESULT", 1)[1])
+    assert seen and not any(hit for _, hit in seen), seen
