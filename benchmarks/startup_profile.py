@@ -18,8 +18,9 @@ import torch  # noqa: E402,F401
 
 from splitserve import LLM  # noqa: E402
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s: %(message)s")
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(threadName)s %(name)s: %(message)s")
 logging.getLogger("splitserve.worker.cuda_graphs").setLevel(logging.DEBUG)
+logging.getLogger("splitserve.worker.model_runner").setLevel(logging.DEBUG)
 print(f"imports {time.perf_counter() - T0:.1f} s")
 
 

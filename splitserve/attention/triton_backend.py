@@ -19,6 +19,9 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has
         # exactly one query token: T == B (both host-known shapes) together with max_query_len == 1.
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:

@@ -48,34 +48,42 @@ class AttentionKernelSpec:
 
 
 def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.device("meta")):
-    """Yields (backend, q, k, v, kv_cache, meta) for each attention call of the engine's start-up:
-    one per warm-up layout (model_runner.warm_up_layouts) and one per decode-graph batch size, on
-    tensors laid out like the engine's (meta tensors: no memory, same strides)."""
+    """Yields (variant, backend, q, kv_cache, meta) for each distinct attention kernel variant the
+    engine's start-up launches: the warm-up layouts (model_runner.warm_up_layouts) and the decode
+    graphs' batch sizes, on tensors laid out like the engine's (meta tensors: no memory, same
+    strides). `variant` names the kernel's compile-time choices; launches that share one are left out."""
     from splitserve.attention.backend import AttentionMetadata
+    from splitserve.attention.ops.paged_attention import default_num_splits, ragged_variant
     from splitserve.attention.triton_backend import TritonBackend
     from splitserve.worker.model_runner import warm_up_batch, warm_up_layouts
 
-    dev = device
-    cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=dev)
+    cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
     max_blocks = -(-spec.max_model_len // spec.block_size)
+    seen = set()
 
-    def qkv(num_tokens):
-        q = torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=dev)
-        k = torch.empty(num_tokens, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=dev)
-        return q, k, torch.empty_like(k)
+    def q(num_tokens):
+        return torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
 
     for num_seqs, q_len, context in warm_up_layouts(spec.budget, spec.block_size):
-        meta, _ = warm_up_batch(num_seqs, q_len, context, spec.block_size, dev)
-        yield (TritonBackend(), *qkv(num_seqs * q_len), cache, meta)
+        meta, _ = warm_up_batch(num_seqs, q_len, context, spec.block_size, device)
+        splits = default_num_splits(num_seqs, spec.num_kv_heads, q_len + context, device)
+        variant = ("decode", splits > 1) if q_len == 1 else ("ragged", ragged_variant(
+            num_seqs * q_len, num_seqs, q_len, q_len + context, spec.num_heads, spec.num_kv_heads, spec.head_dim))
+        if variant not in seen:
+            seen.add(variant)
+            yield variant, TritonBackend(), q(num_seqs * q_len), cache, meta
     for bs, splits in spec.decode_splits:
         meta = AttentionMetadata(  # as DecodeGraphs lays out its static buffers
-            slot_mapping=torch.empty(bs, dtype=torch.long, device=dev),
-            query_start_loc=torch.empty(bs + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.empty(bs, dtype=torch.int32, device=dev),
-            block_tables=torch.empty(bs, max_blocks, dtype=torch.int32, device=dev),
+            slot_mapping=torch.empty(bs, dtype=torch.long, device=device),
+            query_start_loc=torch.empty(bs + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.empty(bs, dtype=torch.int32, device=device),
+            block_tables=torch.empty(bs, max_blocks, dtype=torch.int32, device=device),
             max_query_len=1, max_seq_len=spec.max_model_len,
             query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32), seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
-        yield (TritonBackend(splits), *qkv(bs), cache, meta)
+        variant = ("decode", splits > 1)
+        if variant not in seen:
+            seen.add(variant)
+            yield variant, TritonBackend(splits), q(bs), cache, meta
 
 
 class _CompileOnlyDriver:
@@ -119,13 +127,19 @@ def compile_only_mode(capability: int) -> None:
 
 def compile_launches(spec: AttentionKernelSpec, worker: int = 0, num_workers: int = 1,
                      device: torch.device = torch.device("meta")) -> None:
-    """Compiles this worker's share of the start-up launches (every num_workers-th)."""
+    """Compiles this worker's share of the start-up kernel variants (every num_workers-th); worker 0
+    also compiles the KV-store kernel, which has a single variant."""
     from splitserve.attention.ops import paged_attention
+    from splitserve.attention.ops.store_kv import store_kv
     paged_attention._num_sms = lambda device_index: spec.num_sms  # the parent's GPU, without CUDA
     compile_only_mode(spec.capability)
-    for i, (backend, q, k, v, cache, meta) in enumerate(attention_launches(spec, device)):
+    if worker == 0:
+        k = torch.empty(spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
+        cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
+        store_kv(k, torch.empty_like(k), cache, torch.empty(spec.block_size, dtype=torch.long, device=device))
+    for i, (_, backend, q, cache, meta) in enumerate(attention_launches(spec, device)):
         if i % num_workers == worker:
-            backend.forward(q, k, v, cache, meta, spec.head_dim ** -0.5)
+            backend.attend(q, cache, meta, spec.head_dim ** -0.5)
 
 
 def _child(spec: AttentionKernelSpec, worker: int, num_workers: int) -> None:
@@ -186,4 +200,4 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
         num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
         tuple((bs, default_num_splits(bs, num_kv_heads, max_model_len, device)) for bs in batch_sizes),
         num_sms, major * 10 + minor)
-    return AttentionPrecompile(spec, num_workers=max(1, min(6, (os.cpu_count() or 2) // 2)))
+    return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))

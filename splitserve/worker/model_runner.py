@@ -213,9 +213,12 @@ class ModelRunner:
         attention kernel's variants) happens at start-up, not on the first requests. Writes go to slot
         -1 only, so the cache is untouched; context is read from block 0 and discarded."""
         for num_seqs, q_len, context in warm_up_layouts(self.config.scheduler.max_num_batched_tokens, self.block_size):
+            t = time.perf_counter()
             meta, positions = warm_up_batch(num_seqs, q_len, context, self.block_size, self.device)
             with forward_context(ForwardContext(meta, self.backend)):
                 self.model(torch.zeros(positions.shape[0], dtype=torch.long, device=self.device), positions)
+            logger.debug("warm-up step of %d x %d tokens after %d took %.2f s", num_seqs, q_len, context,
+                         time.perf_counter() - t)
 
     # -- one step --------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:
