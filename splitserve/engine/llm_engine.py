@@ -23,6 +23,7 @@ from splitserve.models.resolve import load_tokenizer, resolve_model
 from splitserve.models.text_config import TextConfig
 from splitserve.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
+from splitserve.worker.bytecode import start_bytecode_warmup
 from splitserve.worker.kernel_precompile import start_attention_precompile
 from splitserve.worker.model_runner import ModelRunner
 
@@ -87,9 +88,11 @@ class LLMEngine:
         eos |= set(read_generation_eos(source))
         backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
         compile_config = CompileConfig(enforce_eager=args.enforce_eager)
-        # The attention kernels compile in forked children while the model is built and compiled;
-        # forked before any thread of ours starts.
-        precompile = None
+        # The compiler stack's Python sources and the attention kernels compile in forked children
+        # while the model is built; forked before any thread of ours starts.
+        bytecode = precompile = None
+        if device.startswith("cuda") and not args.enforce_eager:
+            bytecode = start_bytecode_warmup()
         if device.startswith("cuda") and backend == "triton" and not args.enforce_eager:
             precompile = start_attention_precompile(hf_config, dtype, args.block_size, args.max_num_batched_tokens,
                                                     max_model_len, compile_config.decode_graph_sizes(args.max_num_seqs))
@@ -120,6 +123,8 @@ class LLMEngine:
             self.runner = ModelRunner(config, model)
             num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(num_blocks)
+            if bytecode is not None:
+                bytecode.wait(timeout=10.0)  # compiling the model imports what they compile
             self.runner.setup_fast_path()
             if precompile is not None:
                 precompile.finish()
