@@ -43,7 +43,10 @@ class AttentionBackend:
     name = "base"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
+                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        """Stores k/v and attends. With a rotary table (cos_sin, see layers/rotary.apply_rotary) q and
+        k are first rotated at `positions`: the model hands them over straight from its projection."""
         raise NotImplementedError
 
 

@@ -41,6 +41,7 @@ def forward_context(ctx: ForwardContext):
 # graph and compiles once.
 @torch.library.custom_op("splitserve::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 positions: torch.Tensor, cos_sin: torch.Tensor | None,
                  num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
     ctx = _context
     if ctx is None:
@@ -48,25 +49,29 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     T = q.shape[0]
     head_dim = q.shape[1] // num_heads
     out = ctx.backend.forward(q.view(T, num_heads, head_dim), k.view(T, num_kv_heads, head_dim),
-                              v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale)
+                              v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale, positions, cos_sin)
     return out.reshape(T, num_heads * head_dim)
 
 
 @attention_op.register_fake
-def _(q, k, v, kv_cache, num_heads, num_kv_heads, scale):
-    return torch.empty_like(q)
+def _(q, k, v, kv_cache, positions, cos_sin, num_heads, num_kv_heads, scale):
+    return q.new_empty(q.shape)
 
 
 class Attention(nn.Module):
-    """Store K/V + attend, for all sequences of the step; q/k/v are [T, heads * head_dim]."""
+    """Rotate q/k (with a rotary table) + store K/V + attend, for all sequences of the step; q/k/v are
+    [T, heads * head_dim], possibly strided views of one QKV projection."""
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rotary: nn.Module | None = None):
         super().__init__()
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
+        self.rotary = rotary  # a RotaryEmbedding (its cos_sin table), shared by the model's layers
         # This layer's paged cache [num_blocks, 2, block_size, num_kv_heads, head_dim]; bound by the
         # model runner once memory is sized. A buffer, so compiled graphs take it as an input.
         self.register_buffer("kv_cache", torch.empty(0), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention_op(q, k, v, self.kv_cache, self.num_heads, self.num_kv_heads, self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos_sin = None if self.rotary is None else self.rotary.cos_sin
+        return attention_op(q, k, v, self.kv_cache, positions, cos_sin, self.num_heads, self.num_kv_heads, self.scale)

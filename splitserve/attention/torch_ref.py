@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.attention.backend import AttentionBackend, AttentionMetadata
+from splitserve.layers.rotary import apply_rotary
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -71,7 +72,9 @@ def decode_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, positions=None, cos_sin=None):
+        if cos_sin is not None:
+            q, k = apply_rotary(q, positions, cos_sin), apply_rotary(k, positions, cos_sin)
         store_kv_ref(k, v, kv_cache, meta.slot_mapping)
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs and meta.num_seqs > 1:
             return decode_attention_batched(q, kv_cache, meta, scale)

@@ -17,9 +17,10 @@ class TritonBackend(AttentionBackend):
         self.decode_num_splits = decode_num_splits
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, meta, scale)
+                meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
+                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin)  # one pass
+        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has

@@ -33,6 +33,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """The model's rotary table; it holds no forward: the attention op applies it."""
     SUPPORTED = ("default", "linear", "llama3")
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
@@ -51,17 +52,19 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.rot_dim = rot_dim
-        # [max_position, rot_dim]: cos | sin halves; kept in fp32, cast per use.
+        # [max_position, rot_dim]: cos | sin halves, fp32. The attention op rotates q and k with it
+        # (fused into its KV store on the Triton backend); see apply_rotary.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; rotates the first rot_dim of each head, NeoX (half-split) style."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :self.rot_dim].float(), x[..., self.rot_dim:]
-        x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated at positions [T], NeoX (half-split) style, over the first rot_dim of each
+    head (cos_sin [max_position, rot_dim]: cos | sin halves, fp32); computed in fp32, returned in
+    x's dtype. The reference for the attention backends, which apply it to q and k."""
+    rot_dim = cos_sin.shape[-1]
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

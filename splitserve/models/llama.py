@@ -26,15 +26,14 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False) and bias)
-        self.rotary = rotary  # one table shared by all layers
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        # The rotary table (one for all layers) goes to the attention op, which rotates q and k
+        # where it stores the cache (one pass over them instead of two).
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                              rotary)
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor):
-        """The attention op's inputs: q [T, Hq * D], k and v [T, Hkv * D], rotary applied."""
-        T = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
-        return q.reshape(T, -1), k.reshape(T, -1), v.contiguous()
+    def qkv(self, x: torch.Tensor):
+        """The attention op's inputs: q [T, Hq * D], k and v [T, Hkv * D], views of one projection."""
+        return self.qkv_proj.split(self.qkv_proj(x))
 
 
 class LlamaMLP(nn.Module):
@@ -67,9 +66,9 @@ class LlamaDecoderLayer(nn.Module):
     # piecewise CUDA graphs, captured) separately; forward is just the two with the op between.
     # The residual is always a tensor (zeros before the first layer, see start_residual): one compiled
     # graph per half, where a None there would make dynamo compile a second one for layer 0.
-    def attn_inputs(self, positions, x, residual):
+    def attn_inputs(self, x, residual):
         x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.qkv(positions, x)
+        q, k, v = self.self_attn.qkv(x)
         return q, k, v, residual
 
     def attn_outputs(self, attn_out, residual):
@@ -77,8 +76,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def forward(self, positions, x, residual):
-        q, k, v, residual = self.attn_inputs(positions, x, residual)
-        return self.attn_outputs(self.self_attn.attn(q, k, v), residual)
+        q, k, v, residual = self.attn_inputs(x, residual)
+        return self.attn_outputs(self.self_attn.attn(q, k, v, positions), residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -148,7 +148,7 @@ class PiecewiseGraphs:
             x, residual = self.layers[j - 1].attn_outputs(self.attn_out[:n], residual)
         if j == len(self.layers):
             return self.model.norm(x, residual)[0]
-        q, k, v, residual = self.layers[j].attn_inputs(self.positions[:n], x, residual)
+        q, k, v, residual = self.layers[j].attn_inputs(x, residual)
         self.q[:n].copy_(q)
         self.k[:n].copy_(k)
         self.v[:n].copy_(v)
@@ -188,7 +188,7 @@ class PiecewiseGraphs:
         with forward_context(ctx):
             for j in range(len(self.layers) + 1):
                 if j > 0:
-                    out = self.layers[j - 1].self_attn.attn(self.q[:T], self.k[:T], self.v[:T])
+                    out = self.layers[j - 1].self_attn.attn(self.q[:T], self.k[:T], self.v[:T], self.positions[:T])
                     self.attn_out[:T].copy_(out)
                 if self.use_graphs:
                     self.graphs[n][j].replay()

@@ -45,6 +45,7 @@ class AttentionKernelSpec:
     decode_splits: tuple[tuple[int, int], ...]  # (batch size, split count) of each decode graph
     num_sms: int                                # what the split-count heuristic sees
     capability: int                             # e.g. 90 for sm_90
+    rot_dim: int                                # rotary width (the KV store applies it); 0: none
 
 
 def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.device("meta")):
@@ -133,10 +134,13 @@ def compile_launches(spec: AttentionKernelSpec, worker: int = 0, num_workers: in
     from splitserve.attention.ops.store_kv import store_kv
     paged_attention._num_sms = lambda device_index: spec.num_sms  # the parent's GPU, without CUDA
     compile_only_mode(spec.capability)
-    if worker == 0:
-        k = torch.empty(spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
-        cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
-        store_kv(k, torch.empty_like(k), cache, torch.empty(spec.block_size, dtype=torch.long, device=device))
+    if worker == 0:  # q, k and v are views of one projection's output, as the model hands them over
+        n, hq, hkv, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q, k, v = torch.empty(n, (hq + 2 * hkv) * d, dtype=spec.dtype, device=device).split([hq * d, hkv * d, hkv * d], -1)
+        cache = torch.empty(1, 2, n, hkv, d, dtype=spec.dtype, device=device)
+        cos_sin = torch.empty(n, spec.rot_dim, dtype=torch.float32, device=device) if spec.rot_dim else None
+        store_kv(k.view(n, hkv, d), v.view(n, hkv, d), cache, torch.empty(n, dtype=torch.long, device=device),
+                 q.view(n, hq, d), torch.empty(n, dtype=torch.long, device=device), cos_sin)
     for i, (_, backend, q, cache, meta) in enumerate(attention_launches(spec, device)):
         if i % num_workers == worker:
             backend.attend(q, cache, meta, spec.head_dim ** -0.5)
@@ -186,11 +190,13 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     """Starts the children for a CUDA engine with the Triton backend and compiled graphs; None when
     the config's attention shape is not readable here (the parent then compiles as before)."""
     from splitserve.attention.ops.paged_attention import default_num_splits
+    from splitserve.layers.rotary import rope_parameters
     text = getattr(hf_config, "text_config", None) or hf_config
     try:
         num_heads = text.num_attention_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        rot_dim = int(head_dim * rope_parameters(text).get("partial_rotary_factor", 1.0))
     except AttributeError:
         return None
     major, minor = torch.cuda.get_device_capability()
@@ -199,5 +205,5 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     spec = AttentionKernelSpec(
         num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
         tuple((bs, default_num_splits(bs, num_kv_heads, max_model_len, device)) for bs in batch_sizes),
-        num_sms, major * 10 + minor)
+        num_sms, major * 10 + minor, rot_dim)
     return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))

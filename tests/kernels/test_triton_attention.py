@@ -58,6 +58,7 @@ from splitserve.attention.ops.paged_attention import (  # noqa: E402
 from splitserve.attention.ops.store_kv import store_kv  # noqa: E402
 from splitserve.attention.torch_ref import TorchRefBackend, paged_attention_ref, store_kv_ref  # noqa: E402
 from splitserve.attention.triton_backend import TritonBackend  # noqa: E402
+from splitserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=2e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),
@@ -234,6 +235,33 @@ def test_decode_zero_length_padding_sequence():
         assert torch.all(out[2] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rot_dim", [(8, 2, 64, 64), (6, 3, 128, 64)])
+def test_store_kv_with_rotary(dtype, num_heads, num_kv_heads, head_dim, rot_dim):
+    """The fused pass: q and k rotated like layers/rotary.apply_rotary (also a partial rotary), the
+    rotated k stored, padding rows skipped; q, k and v read as views of one qkv projection."""
+    g = torch.Generator().manual_seed(2)
+    num_blocks, block_size, num_tokens = 6, 4, 11
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    rotary = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": rot_dim / head_dim}).to(DEVICE)
+    positions = torch.randint(0, 64, (num_tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[0, 5, 10]] = -1
+    slots = slots.to(DEVICE)
+    expected = cache.clone()
+    store_kv_ref(apply_rotary(k, positions, rotary.cos_sin), v, expected, slots)
+    q_rot = store_kv(k, v, cache, slots, q, positions, rotary.cos_sin)
+    # fp32 rotation in both; the kernel may fuse multiply-adds, so allow an ulp of the output dtype.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(q_rot, apply_rotary(q, positions, rotary.cos_sin), **tol)
+    torch.testing.assert_close(cache, expected, **tol)
+    assert q_rot.is_contiguous() and q_rot.shape == q.shape
+
+
 def test_default_num_splits():
     assert default_num_splits(1, 8, 32768) == 32      # long context, tiny batch: many splits
     assert default_num_splits(256, 8, 32768) == 1     # big batch already fills the GPU
@@ -254,10 +282,14 @@ def test_backend_matches_reference(scenario, dtype):
     k = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     v = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     ref_cache = cache.clone()
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    # with the model's rotary table, as the attention op calls it
+    rotary = RotaryEmbedding(head_dim, 256, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    positions = torch.randint(0, 256, (q.shape[0],), generator=g).to(DEVICE)
+    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125, positions, rotary.cos_sin)
     backend = TritonBackend(decode_num_splits=2 if scenario == "decode_only" else None)
     assert backend.name == "triton"
-    out = backend.forward(q, k, v, cache, meta, 0.125)
-    assert torch.equal(cache, ref_cache)  # the new K/V went to the same slots
+    out = backend.forward(q, k, v, cache, meta, 0.125, positions, rotary.cos_sin)
+    torch.testing.assert_close(cache, ref_cache, atol=1e-5 if dtype == torch.float32 else 0,
+                               rtol=1e-5 if dtype == torch.float32 else 2 ** -7)  # same slots, same (rotated) K/V
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])

@@ -22,7 +22,7 @@ from splitserve.worker import kernel_precompile as kp
 dtype = getattr(torch, sys.argv[2])
 # A GQA shape (8 heads over 2 KV heads, head_dim 64), a 512-token budget, three decode graph sizes
 # with 8, 4 and 1 splits: every kernel and variant the engine launches at start-up.
-spec = kp.AttentionKernelSpec(8, 2, 64, dtype, 16, 512, 4096, ((2, 8), (4, 4), (64, 1)), 132, 90)
+spec = kp.AttentionKernelSpec(8, 2, 64, dtype, 16, 512, 4096, ((2, 8), (4, 4), (64, 1)), 132, 90, 64)
 if sys.argv[1] == "children":
     pre = kp.AttentionPrecompile(spec, num_workers=2)
     for p in pre.procs:
