@@ -41,8 +41,8 @@ class VisionLanguageModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model(input_ids, positions, inputs_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden, out)
 
     @property
     def _param(self) -> torch.Tensor:

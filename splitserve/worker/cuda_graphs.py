@@ -60,10 +60,12 @@ class DecodeGraphs:
         ctx = ForwardContext(self._meta(bs), self.backend_factory(bs))
         with forward_context(ctx):
             hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        if self.logits is None:  # the first (warm-up, uncaptured) run: learn the vocabulary size
             logits = self.model.compute_logits(hidden)
-        if self.logits is None:
             self.logits = torch.empty(self.max_size, logits.shape[1], dtype=logits.dtype, device=logits.device)
-        self.logits[:bs].copy_(logits)
+            self.logits[:bs].copy_(logits)
+        else:
+            self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
