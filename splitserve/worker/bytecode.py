@@ -92,11 +92,17 @@ def start_bytecode_warmup(site: str | None = None, cache_dir: str | None = None,
     probe = os.path.join(site, packages[0], "__init__.py")
     if not os.path.exists(probe) or os.path.exists(importlib.util.cache_from_source(probe)):
         return None  # bytecode ships with the sources (or the layout is not the one expected)
-    cache_dir = cache_dir or default_cache_dir()
-    os.makedirs(cache_dir, exist_ok=True)
-    sys.pycache_prefix = cache_dir
-    os.environ["PYTHONPYCACHEPREFIX"] = cache_dir
     files = sources_to_compile(site, packages)
     if not files:
         return None
-    return BytecodeWarmup(files, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    cache_dir = cache_dir or default_cache_dir()
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        sys.pycache_prefix = cache_dir  # before the fork: the children write where this process reads
+        warmup = BytecodeWarmup(files, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    except (OSError, ValueError) as exc:  # no cache directory, no fork, or no processes left to start
+        sys.pycache_prefix = None
+        logger.warning("compiler sources are compiled on import: %s", exc)
+        return None
+    os.environ["PYTHONPYCACHEPREFIX"] = cache_dir  # and Python subprocesses (Inductor's workers)
+    return warmup

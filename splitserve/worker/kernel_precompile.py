@@ -206,4 +206,8 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
         num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
         tuple((bs, default_num_splits(bs, num_kv_heads, max_model_len, device)) for bs in batch_sizes),
         num_sms, major * 10 + minor, rot_dim)
-    return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    try:
+        return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    except (OSError, ValueError) as exc:  # no fork on this platform, or no processes left to start
+        logger.warning("attention kernels compile in the engine process: %s", exc)
+        return None

@@ -55,3 +55,20 @@ def test_environments_with_bytecode_are_left_alone(tmp_path):
     env.pop("PYTHONPYCACHEPREFIX", None)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["None", "None"], (out.stdout, out.stderr)
+
+
+def test_no_fork_leaves_imports_as_they_were(tmp_path, monkeypatch):
+    import multiprocessing
+
+    from splitserve.worker import bytecode
+    site = tmp_path / "site"
+    (site / "pkg_b").mkdir(parents=True)
+    (site / "pkg_b" / "__init__.py").write_text("")
+
+    def no_fork(method):
+        raise ValueError(f"cannot find context for {method!r}")
+    monkeypatch.setattr(multiprocessing, "get_context", no_fork)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    assert bytecode.start_bytecode_warmup(site=str(site), cache_dir=str(tmp_path / "c"), packages=("pkg_b",)) is None
+    assert sys.pycache_prefix is None and "PYTHONPYCACHEPREFIX" not in os.environ
