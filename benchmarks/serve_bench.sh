@@ -10,7 +10,7 @@ cfg=benchmarks/configs/llama3-8b
 python -m splitserve serve $cfg --random-weights --dtype bfloat16 --max-model-len 4096 --port 8011 \
     --disable-access-log >"$out/server.log" 2>&1 &
 server=$!
-for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; kill -0 $server 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }; sleep 1; done
 grep -E "ready|fast path|captured" "$out/server.log"
 common="--base-url http://127.0.0.1:8011 --tokenizer $cfg --ignore-eos --disable-tqdm"
 seed=$RANDOM
