@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="per-step table + kernel profile of 1000 x 128/128")
     ap.add_argument("--trace", action="store_true",
                     help="kernel totals of batch-2 decode graph replays and of one whole 1000 x 128/128 run")
+    ap.add_argument("--trace-run", default="", metavar="N,IN,OUT",
+                    help="kernel totals, GPU gaps and step counts of one N x IN/OUT run (e.g. 1000,1024,128)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -171,6 +173,9 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
     if args.trace:
         trace(llm, prompts(1000, 128))
+    if args.trace_run:
+        n, inp, out = (int(x) for x in args.trace_run.split(","))
+        lines.append(trace_run(llm, prompts(n, inp), out, f"one {n} x {inp}/{out} run"))
     print("\n".join(lines))
 
 
@@ -222,6 +227,36 @@ def trace(llm: LLM, ps) -> None:
         wall = time.perf_counter() - t
     kernel_table(prof, wall, "one 1000 x 128/128 run (profiled)", rows=24)
     gpu_gaps(prof, "one 1000 x 128/128 run")
+
+
+def trace_run(llm: LLM, ps, max_tokens: int, label: str) -> str:
+    """Kernel totals and GPU gaps of one whole run, and its steps: how many, and tokens per step."""
+    from torch.profiler import ProfilerActivity, profile
+    sched = llm.engine.scheduler
+    tokens_per_step = []
+    schedule = sched.schedule
+
+    def counted():
+        out = schedule()
+        tokens_per_step.append(sum(n for _, n in out.scheduled))
+        return out
+    sched.schedule = counted
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate(ps, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+    finally:
+        del sched.schedule
+    kernel_table(prof, wall, f"{label} (profiled)", rows=24)
+    gpu_gaps(prof, label)
+    steps = [n for n in tokens_per_step if n]
+    full = sum(n >= 0.9 * llm.engine.config.scheduler.max_num_batched_tokens for n in steps)
+    return (f"{label}: {len(steps)} steps, {sum(steps) / len(steps):.0f} tokens per step on average, "
+            f"{full} of them at >= 90% of the token budget")
 
 
 if __name__ == "__main__":
