@@ -14,7 +14,7 @@ Layouts (shared by every backend and kernel):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,15 +29,6 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor  # host copies: for backends that loop on the host
     seq_lens_cpu: torch.Tensor
-    _leading_decodes: int | None = field(default=None, repr=False)
-
-    def leading_decodes(self) -> int:
-        """How many sequences at the front of the batch have exactly one query token (computed once
-        per step, on the host)."""
-        if self._leading_decodes is None:
-            q_lens = (self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]).tolist()
-            self._leading_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-        return self._leading_decodes
 
     @property
     def num_seqs(self) -> int:

@@ -28,13 +28,5 @@ class TritonBackend(AttentionBackend):
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:
             return paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
                                           scale, num_splits=self.decode_num_splits)
-        # A mixed step's leading decode rows (the scheduler runs decodes first) take the split-K
-        # decode kernel, which reads their long contexts faster than the ragged kernel's tiles do
-        # (one query row in a 64-row tile); the ragged kernel takes the rest of the batch.
-        d = meta.leading_decodes()
-        out = torch.empty_like(q)
-        if d:
-            paged_decode_attention(q[:d], kv_cache, meta.seq_lens[:d], meta.block_tables[:d], meta.max_seq_len,
-                                   scale, out=out[:d])
-        return ragged_paged_attention(q, kv_cache, meta.query_start_loc[d:], meta.seq_lens[d:],
-                                      meta.block_tables[d:], meta.max_query_len, meta.max_seq_len, scale, out=out)
+        return ragged_paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                      meta.max_query_len, meta.max_seq_len, scale)

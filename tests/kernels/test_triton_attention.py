@@ -142,8 +142,6 @@ SCENARIOS = {
     "mixed": [(1, 1), (45, 12), (16, 1), (17, 1), (9, 9), (33, 1)],
     # decode-only batch through the ragged kernel (the path mixed batches take for their decodes)
     "decode_only": [(5, 1), (64, 1), (23, 1)],
-    # a mixed step as the scheduler lays it out: decodes first (they take the decode kernel), then prefills
-    "decodes_then_prefill": [(70, 1), (8, 1), (33, 1), (24, 24), (50, 17)],
 }
 
 
@@ -169,21 +167,6 @@ def test_ragged_low_precision(dtype, group, head_dim):
                                  meta.max_query_len, meta.max_seq_len, scale)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), paged_attention_ref(q, cache, meta, scale).float(), **TOL[dtype])
-
-
-@pytest.mark.parametrize("lead", [1, 3])
-def test_ragged_on_the_tail_of_a_batch(lead):
-    """The ragged kernel given only the sequences after the first `lead` (as the Triton backend does
-    once the leading decodes went to the decode kernel): their rows match the reference, the
-    leading rows of out are left alone."""
-    seqs = [(40, 1), (17, 1), (9, 1), (30, 12), (64, 64), (21, 1)]
-    q, cache, meta = make_batch(seqs, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32, seed=11)
-    ref = paged_attention_ref(q, cache, meta, 0.125)
-    out = torch.full_like(q, 7.0)
-    ragged_paged_attention(q, cache, meta.query_start_loc[lead:], meta.seq_lens[lead:], meta.block_tables[lead:],
-                           meta.max_query_len, meta.max_seq_len, 0.125, out=out)
-    torch.testing.assert_close(out[lead:], ref[lead:], **TOL[torch.float32])
-    assert torch.all(out[:lead] == 7.0)
 
 
 def test_ragged_causality_and_isolation():
@@ -289,7 +272,7 @@ def test_default_num_splits():
 
 # ----------------------------------------------------------------------------------------- backend
 
-@pytest.mark.parametrize("scenario", ["mixed", "decode_only", "prefix_prefill", "decodes_then_prefill"])
+@pytest.mark.parametrize("scenario", ["mixed", "decode_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_reference(scenario, dtype):
     group, num_kv_heads, head_dim = 3, 1, 64

@@ -107,21 +107,18 @@ def _ragged_paged_attn_kernel(
     # query blocks are numbered from qsl[i] // BLOCK_Q + i. That start is non-decreasing in i and
     # leaves room for cdiv(q_len_i, BLOCK_Q) blocks, so the grid needs at most T // BLOCK_Q + B
     # programs; binary-search the last sequence whose start is <= pid.
-    # Offsets count from qsl[0], which is not 0 when the caller passes the tail of a batch (its
-    # leading decode rows went to the decode kernel); q rows stay absolute.
-    base = tl.load(qsl_ptr)
     lo = pid * 0
     hi = lo + num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        start = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + mid
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
         go_right = start <= pid
         lo = tl.where(go_right, mid, lo)
         hi = tl.where(go_right, hi, mid)
     seq = lo
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    q_block = pid - ((q_start - base) // BLOCK_Q + seq)
+    q_block = pid - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return  # spare program (grid is an upper bound) or empty sequence
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -202,8 +199,6 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     """Causal attention of q [T, Hq, D] over the paged cache for a ragged mixed batch; returns [T, Hq, D].
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32 (device).
-    The sequences may be the tail of a batch (query_start_loc[0] > 0): their rows of q are read and
-    their rows of out written, no others.
     max_query_len / max_seq_len are host ints: max_query_len picks the query block size (and so the
     grid, T // BLOCK_Q + B programs per KV head); with max_seq_len they pick the K/V tile width.
     Rows of q not owned by any sequence (index >= query_start_loc[B], e.g. graph padding) are left
