@@ -218,15 +218,7 @@ def trace(llm: LLM, ps) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     kernel_table(prof, wall, "10 replays of the batch-2 decode graph", rows=24)
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(ps, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    kernel_table(prof, wall, "one 1000 x 128/128 run (profiled)", rows=24)
-    gpu_gaps(prof, "one 1000 x 128/128 run")
+    print(trace_run(llm, ps, 128, "one 1000 x 128/128 run"))
 
 
 def trace_run(llm: LLM, ps, max_tokens: int, label: str) -> str:

@@ -91,10 +91,10 @@ class LLMEngine:
         compile_config = CompileConfig(enforce_eager=args.enforce_eager)
         # The compiler stack's Python sources and the attention kernels compile in forked children
         # while the model is built; forked before any thread of ours starts.
-        bytecode = precompile = None
-        if device.startswith("cuda") and not args.enforce_eager:
-            bytecode = start_bytecode_warmup()
-        if device.startswith("cuda") and backend == "triton" and not args.enforce_eager:
+        compiles = device.startswith("cuda") and not args.enforce_eager
+        bytecode = start_bytecode_warmup() if compiles else None
+        precompile = None
+        if compiles and backend == "triton":
             precompile = start_attention_precompile(hf_config, dtype, args.block_size, args.max_num_batched_tokens,
                                                     max_model_len, compile_config.decode_graph_sizes(args.max_num_seqs))
         # Requests need the tokenizer, building the model does not. For a config read natively nothing
@@ -127,14 +127,13 @@ class LLMEngine:
             if bytecode is not None:
                 bytecode.wait(timeout=10.0)  # compiling the model imports what they compile
             self.runner.setup_fast_path()
-            if precompile is not None:
-                precompile.finish()
         except BaseException:
             # A caller that goes on to import transformers must not race the thread doing it.
             futures_wait([tokenizer_future])
+            raise
+        finally:
             if precompile is not None:
                 precompile.finish()
-            raise
         t0 = time.perf_counter()
         self.tokenizer = tokenizer_future.result()  # re-raises the thread's error, if any
         logger.info("waited %.1f s for the tokenizer", time.perf_counter() - t0)

@@ -49,10 +49,10 @@ class AttentionKernelSpec:
 
 
 def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.device("meta")):
-    """Yields (variant, backend, q, kv_cache, meta) for each distinct attention kernel variant the
-    engine's start-up launches: the warm-up layouts (model_runner.warm_up_layouts) and the decode
-    graphs' batch sizes, on tensors laid out like the engine's (meta tensors: no memory, same
-    strides). `variant` names the kernel's compile-time choices; launches that share one are left out."""
+    """Yields (backend, q, kv_cache, meta) for each distinct attention kernel variant the engine's
+    start-up launches: the warm-up layouts (model_runner.warm_up_layouts) and the decode graphs'
+    batch sizes, on tensors laid out like the engine's (meta tensors: no memory, same strides).
+    Launches whose compile-time choices repeat an earlier one's are left out."""
     from splitserve.attention.backend import AttentionMetadata
     from splitserve.attention.ops.paged_attention import default_num_splits, ragged_variant
     from splitserve.attention.triton_backend import TritonBackend
@@ -72,7 +72,7 @@ def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.d
             num_seqs * q_len, num_seqs, q_len, q_len + context, spec.num_heads, spec.num_kv_heads, spec.head_dim))
         if variant not in seen:
             seen.add(variant)
-            yield variant, TritonBackend(), q(num_seqs * q_len), cache, meta
+            yield TritonBackend(), q(num_seqs * q_len), cache, meta
     for bs, splits in spec.decode_splits:
         meta = AttentionMetadata(  # as DecodeGraphs lays out its static buffers
             slot_mapping=torch.empty(bs, dtype=torch.long, device=device),
@@ -84,7 +84,7 @@ def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.d
         variant = ("decode", splits > 1)
         if variant not in seen:
             seen.add(variant)
-            yield variant, TritonBackend(splits), q(bs), cache, meta
+            yield TritonBackend(splits), q(bs), cache, meta
 
 
 class _CompileOnlyDriver:
@@ -141,7 +141,7 @@ def compile_launches(spec: AttentionKernelSpec, worker: int = 0, num_workers: in
         cos_sin = torch.empty(n, spec.rot_dim, dtype=torch.float32, device=device) if spec.rot_dim else None
         store_kv(k.view(n, hkv, d), v.view(n, hkv, d), cache, torch.empty(n, dtype=torch.long, device=device),
                  q.view(n, hq, d), torch.empty(n, dtype=torch.long, device=device), cos_sin)
-    for i, (_, backend, q, cache, meta) in enumerate(attention_launches(spec, device)):
+    for i, (backend, q, cache, meta) in enumerate(attention_launches(spec, device)):
         if i % num_workers == worker:
             backend.attend(q, cache, meta, spec.head_dim ** -0.5)
 

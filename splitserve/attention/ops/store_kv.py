@@ -106,13 +106,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     if rotary and q.stride(-1) != 1:
         q = q.contiguous()
     assert kv_cache.stride(-1) == 1, "kv_cache head_dim must be contiguous"
-    qs = q if rotary else k  # unused pointers and strides when there is no rotary
-    num_heads = q.shape[1] if rotary else num_kv_heads
+    # Without rotary the q-side arguments are unused: stand-ins keep the signature.
+    q_in, q_dst, pos, table = (q, q_out, positions, cos_sin) if rotary else (k, k, slot_mapping, k)
+    num_heads = q_in.shape[1]
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping, qs, q_out if rotary else k, positions if rotary else slot_mapping,
-        cos_sin if rotary else k,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), qs.stride(0), qs.stride(1),
-        (q_out if rotary else k).stride(0), (q_out if rotary else k).stride(1), cos_sin.stride(0) if rotary else 0,
+        k, v, kv_cache, slot_mapping, q_in, q_dst, pos, table,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_in.stride(0), q_in.stride(1),
+        q_dst.stride(0), q_dst.stride(1), table.stride(0) if rotary else 0,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         kv_cache.shape[2],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
