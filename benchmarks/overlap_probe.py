@@ -100,14 +100,7 @@ def main() -> None:
                     help="gemm_rows,attn_seqs,context; ...")
     ap.add_argument("--carveouts", default="0,16,32")
     ap.add_argument("--green", default="16,32")
-    ap.add_argument("--engine", action="store_true", help="time one real mixed step of the 8B engine instead")
-    ap.add_argument("--decodes", type=int, default=360)
-    ap.add_argument("--context", type=int, default=1100)
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--prompt-len", type=int, default=1024)
     args = ap.parse_args()
-    if args.engine:
-        return engine_step(args)
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__)
     have_carveout = hasattr(torch._C, "_set_sm_carveout_experimental")
@@ -163,80 +156,6 @@ def main() -> None:
         hidden = (r["gemm"] + r["attn"] - best[0]) / r["attn"]
         print(f"{r['case']:>16} | {r['gemm']:.3f} ({r['tflops']:.0f}) | {r['attn']:.3f} ({r['kv_tbs']:.2f}) | "
               f"{r['seq']:.3f} ({r.get('seq_graph', float('nan')):.3f}) | {best[1]} {best[0]:.3f} | {hidden:.0%}")
-
-
-def engine_step(args) -> None:
-    """One mixed step of the 8B engine (D decode rows over C tokens of context each + P prompts of
-    L tokens), timed whole, as two halves on a plain second stream, and as two halves with the
-    attention in a green context of n SMs: what two-batch overlap gives a real step."""
-    import os
-    import random
-
-    from splitserve import LLM
-    from splitserve.attention.layer import ForwardContext, forward_context
-    from splitserve.attention.backend import AttentionMetadata
-    from splitserve.worker.overlap import balanced_split, overlapped_forward, split_metadata
-
-    llm = LLM(os.path.join(os.path.dirname(__file__), "configs", "llama3-8b"), random_weights=True, dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=1024, max_num_batched_tokens=16384, overlap_min_decodes=0)
-    runner = llm.engine.runner
-    bs, dev = runner.block_size, runner.device
-    num_blocks = runner.kv_caches[0].shape[0]
-    d, c = args.decodes, args.context
-    p, plen = args.prompts, args.prompt_len
-    q_lens = [1] * (d // 2) + [plen] * p + [1] * (d - d // 2)
-    ctxs = [c if q == 1 else 0 for q in q_lens]
-    seq_lens = [q + x for q, x in zip(q_lens, ctxs)]
-    width = max(-(-s // bs) for s in seq_lens)
-    rng = random.Random(0)
-    blocks = list(range(num_blocks))
-    rng.shuffle(blocks)
-    need = sum(-(-s // bs) for s in seq_lens)
-    assert need <= num_blocks, (need, num_blocks)
-    tables = torch.zeros(len(q_lens), width, dtype=torch.int32)
-    slots, positions, at = [], [], 0
-    for i, (q, s) in enumerate(zip(q_lens, seq_lens)):
-        n = -(-s // bs)
-        tables[i, :n] = torch.tensor(blocks[at:at + n])
-        at += n
-        for pos in range(s - q, s):
-            slots.append(int(tables[i, pos // bs]) * bs + pos % bs)
-            positions.append(pos)
-    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), query_start_loc=qsl.to(dev),
-                             seq_lens=lens.to(dev), block_tables=tables.to(dev), max_query_len=max(q_lens),
-                             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
-    T = int(qsl[-1])
-    ids = torch.randint(1000, 100000, (T,), device=dev)
-    pos = torch.tensor(positions, device=dev)
-    j = balanced_split(qsl)
-    meta_a, meta_b = split_metadata(meta, j)
-    split = int(qsl[j])
-    ctx, ca, cb = (ForwardContext(m, runner.backend) for m in (meta, meta_a, meta_b))
-    print(f"step: {T} tokens, {d} decodes x {c} context, {p} prompts x {plen}; halves at token {split}")
-
-    def whole():
-        with forward_context(ctx):
-            runner.model(ids, pos)
-
-    def halves(side):
-        return lambda: overlapped_forward(runner.model, ids, pos, split, ca, cb, side)
-
-    variants = [("whole", whole), ("halves, no side stream", halves(None)),
-                ("halves, plain stream", halves(torch.cuda.Stream()))]
-    keep = []
-    for n in (int(v) for v in args.green.split(",") if v):
-        g = torch.cuda.green_contexts.GreenContext.create(num_sms=n)
-        keep.append(g)
-        variants.append((f"halves, green {n} SMs", halves(g.Stream())))
-    with torch.inference_mode():
-        with forward_context(ctx):
-            ref = runner.model(ids, pos).float()
-        for name, fn in variants:
-            ms = timed(fn, iters=10)
-            out = overlapped_forward(runner.model, ids, pos, split, ca, cb, None).float() if "halves" in name else ref
-            print(f"{name:28s} {ms:8.2f} ms   max |diff| vs whole {float((out - ref).abs().max()):.3g}", flush=True)
 
 
 if __name__ == "__main__":
