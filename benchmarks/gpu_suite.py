@@ -54,12 +54,12 @@ def check(tokenizer_dir: str) -> None:
         ref_out = [o.outputs[0].token_ids for o in ref.generate(p, params, use_tqdm=False)]
         del ref
         torch.cuda.empty_cache()
-        # The fast path as configured, then with piecewise graphs off and two-batch overlap from 2 decode
-        # rows: every mixed step runs as two halves, one half's attention on the green-context stream.
-        for label, overlap in (("", False), (" overlap", True)):
-            kwargs = {"overlap_min_decodes": 2} if overlap else {}
+        # The fast path as configured, then with two-batch overlap from 8 tokens: decode graphs of >= 8
+        # sequences captured as overlapped halves, and (piecewise graphs off) mixed steps overlapped eagerly.
+        for label, overlap_min in (("", None), (" overlap>=8", 8)):
+            kwargs = {} if overlap_min is None else {"overlap_min_tokens": overlap_min}
             fast = LLM(path, dtype=dtype, max_num_batched_tokens=512, num_blocks=4096, **kwargs)  # chunks + decodes
-            if overlap:
+            if overlap_min is not None:
                 fast.engine.runner.piecewise = None
             fast_out = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]
             again = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]  # prefix-cache hits
@@ -67,10 +67,9 @@ def check(tokenizer_dir: str) -> None:
             same = sum(a == b for a, b in zip(ref_out, fast_out))
             same2 = sum(a == b for a, b in zip(fast_out, again))
             prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref_out, fast_out)]
-            side = fast.engine.runner._side is not None
             rows.append((f"check {dtype}{label}: fast == torch_ref (greedy, 48 tok)", f"{same}/{len(p)} equal; first "
                          f"diverging positions {[x for x in prefix if x < 48]}; rerun w/ prefix hits {same2}/{len(p)}; "
-                         f"pool whole {pool_whole}" + (f"; green-context stream {side}" if overlap else "")))
+                         f"pool whole {pool_whole}"))
             del fast
             torch.cuda.empty_cache()
 
@@ -133,9 +132,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--overlap-min-decodes", type=int, default=None, help="two-batch overlap threshold (0: off)")
+    ap.add_argument("--overlap-min-tokens", type=int, default=None, help="two-batch overlap threshold (0: off)")
     args = ap.parse_args()
-    engine_kwargs = {} if args.overlap_min_decodes is None else {"overlap_min_decodes": args.overlap_min_decodes}
+    engine_kwargs = {} if args.overlap_min_tokens is None else {"overlap_min_tokens": args.overlap_min_tokens}
     try:
         if args.check:
             check(args.tokenizer_dir)

@@ -19,7 +19,7 @@ from splitserve.core.scheduler import SchedulerOutput
 from splitserve.layers.sampler import Sampler
 from splitserve.request import Request
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from splitserve.worker.overlap import balanced_split, order_for_overlap, overlapped_forward, side_stream, split_metadata
+from splitserve.worker.overlap import balanced_split, overlapped_forward, split_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor   # [S] rows of the hidden states whose next token is sampled
     sample_requests: list[Request]  # the S requests that sample this step, in row order
     inputs_embeds: torch.Tensor | None = None  # [T, hidden] when the step has image tokens
-    overlap_at: int | None = None  # run as two halves, sequences before / from this one (worker/overlap.py)
 
 
 @dataclass
@@ -137,17 +136,15 @@ class ModelRunner:
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        # Two-batch overlap (worker/overlap.py) of large steps: needs the text model's structure, and
+        # on CUDA a second stream for the attention of one half.
+        self.overlap_min = config.compile.overlap_min_tokens if supports_piecewise(model) else 0
+        self.side_stream = torch.cuda.Stream(self.device) if self.overlap_min and self.device.type == "cuda" else None
         # Vision-language models: encodes a step's images and builds its input embeddings.
         self.mm = None
         if getattr(model, "is_multimodal", False):
             from splitserve.multimodal.step import MultiModalStepEncoder
             self.mm = MultiModalStepEncoder(model)
-        # Two-batch overlap of large mixed steps (worker/overlap.py): text models only; on CUDA only
-        # with a green context for the side stream (on CPU the halves simply run in turn).
-        self.overlap_min_decodes = config.compile.overlap_min_decodes if self.mm is None and supports_piecewise(model) else 0
-        self._side = side_stream(self.device) if self.overlap_min_decodes else None
-        if self.device.type == "cuda" and self._side is None:
-            self.overlap_min_decodes = 0
 
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -197,13 +194,16 @@ class ModelRunner:
             from splitserve.attention.ops.paged_attention import default_num_splits
             from splitserve.attention.triton_backend import TritonBackend
             m = self.config.model
-            backends = {bs: TritonBackend(default_num_splits(bs, m.num_kv_heads, m.max_model_len, self.device))
-                        for bs in sizes}
-            factory = backends.__getitem__
+            backends: dict[int, TritonBackend] = {}
+
+            def factory(n: int) -> TritonBackend:
+                if n not in backends:
+                    backends[n] = TritonBackend(default_num_splits(n, m.num_kv_heads, m.max_model_len, self.device))
+                return backends[n]
         else:
             factory = lambda bs: self.backend  # noqa: E731
         self.graphs = DecodeGraphs(self.model, factory, sizes, self.max_blocks_per_seq,
-                                   self.config.model.max_model_len, self.device)
+                                   self.config.model.max_model_len, self.device, self.overlap_min, self.side_stream)
         self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -234,12 +234,9 @@ class ModelRunner:
         from the in-flight step are taken from its sampled tokens on the device."""
         bs = self.block_size
         st = self.stagings[self.num_launched % 2]
-        scheduled = self._overlap_order(sched.scheduled)
-        overlapped = scheduled is not None
-        scheduled = scheduled or sched.scheduled
-        num_seqs = len(scheduled)
-        counts = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num_seqs)
+        num_seqs = len(sched.scheduled)
+        counts = np.fromiter((n for _, n in sched.scheduled), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((r.num_computed_tokens for r, _ in sched.scheduled), dtype=np.int64, count=num_seqs)
         seq_lens = starts + counts
         qsl = st.query_start_loc[:num_seqs + 1]
         qsl[0] = 0
@@ -251,7 +248,7 @@ class ModelRunner:
         input_ids = st.input_ids[:total]
         block_tables = st.block_tables[:num_seqs * width].reshape(num_seqs, width)
         sample_requests, logits_indices, fills = [], [], []
-        for i, (request, n) in enumerate(scheduled):
+        for i, (request, n) in enumerate(sched.scheduled):
             s = int(starts[i])
             input_ids[qsl[i]:qsl[i + 1]] = request.token_slice(s, s + n)
             if request.num_pending:  # its input is the token the in-flight step sampled
@@ -293,18 +290,7 @@ class ModelRunner:
             positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
             logits_indices=t["logits_indices"][:len(logits_indices)].to(dev, non_blocking=True),
-            sample_requests=sample_requests,
-            overlap_at=balanced_split(meta.query_start_loc_cpu) if overlapped else None)
-
-    def _overlap_order(self, scheduled: list) -> list | None:
-        """The step's sequences in two-batch-overlap order, or None to run it whole: only steps the
-        piecewise graphs do not take (those are small enough that their GEMMs are bound by reading
-        the weights, which two halves would read twice)."""
-        if not self.overlap_min_decodes:
-            return None
-        if self.piecewise is not None and self.piecewise.padded_size(sum(n for _, n in scheduled)) is not None:
-            return None
-        return order_for_overlap(scheduled, self.overlap_min_decodes)
+            sample_requests=sample_requests)
 
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         meta = batch.meta
@@ -315,15 +301,14 @@ class ModelRunner:
             return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta.slot_mapping,
                                    meta.seq_lens, meta.block_tables)
         ctx = ForwardContext(meta, self.backend)
-        if batch.overlap_at is not None and batch.inputs_embeds is None:
-            meta_a, meta_b = split_metadata(meta, batch.overlap_at)
-            hidden = overlapped_forward(self.model, batch.input_ids, batch.positions,
-                                        int(meta.query_start_loc_cpu[batch.overlap_at]),
-                                        ForwardContext(meta_a, self.backend), ForwardContext(meta_b, self.backend),
-                                        self._side[1] if self._side else None)
-        elif (self.piecewise is not None and batch.inputs_embeds is None
+        if (self.piecewise is not None and batch.inputs_embeds is None
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
             hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx)
+        elif batch.inputs_embeds is None and (split := balanced_split(meta, self.overlap_min)) is not None:
+            meta_a, meta_b = split_metadata(meta, split)
+            hidden = overlapped_forward(self.model, batch.input_ids, batch.positions, int(meta.query_start_loc_cpu[split]),
+                                        ForwardContext(meta_a, self.backend), ForwardContext(meta_b, self.backend),
+                                        self.side_stream)
         else:
             with forward_context(ctx):
                 if batch.inputs_embeds is None:

@@ -1,45 +1,30 @@
-"""Two-batch overlap: one half of a mixed step attends while the other half's batchful layers run.
+"""Two-batch overlap: one half of a step attends while the other half's batchful layers run.
 
-A mixed step with many decode rows spends a quarter of its time in their attention, which reads long
-contexts from the KV cache (memory-bound: the tensor cores idle), while the GEMMs around it are
-compute-bound (a few thousand tokens). Within one batch the layers' data dependencies serialise the
-two, so such a step is cut at a sequence boundary into halves A and B, and each half's attention runs
-on a side stream beside the other half's batchful segments:
+Decode attention reads the KV cache (memory-bound: the tensor cores idle), while the GEMMs around it
+are compute-bound once a step has a few hundred tokens. Within one batch the layers' data
+dependencies serialise the two, so a large step is cut at a sequence boundary into halves A and B,
+and each half's attention runs on a side stream beside the other half's batchful segments:
 
     main:  pre A0 | pre B0  | post A0 + pre A1 | post B0 + pre B1 | post A1 + ...
     side:           attn A0 | attn B0          | attn A1          | attn B1 ...
 
 `pre` is a layer's attention inputs (norm, QKV projection), `post` the rest of it (O projection,
 norm, MLP). Every batchful layer treats rows independently, so the halves compute what the whole
-step computes. The runner orders such a step's sequences so that each half gets half of the decode
-rows (order_for_overlap).
+step computes. benchmarks/overlap_probe.py measured on the H100, inside a CUDA graph, 80-100% of the
+decode attention hidden beside one layer's GEMMs of 500-3000 rows.
 
-The side stream lives in a green context of SIDE_SMS SMs. benchmarks/overlap_probe.py measured on
-the H100 (one layer's GEMMs of 1,500 rows beside the decode attention of 180 sequences of 1,100
-tokens): on a plain second stream the GEMMs hold every SM and almost nothing overlaps (1.33 vs 1.36
-ms one after the other); with the attention confined to 48 SMs, 1.22 ms. Where green contexts are not
-available, no step is cut.
-
-Stream discipline: every side-stream launch first waits for everything the main stream has enqueued,
-and the main stream waits for a half's attention before using its output. Tensors the main stream
-allocated for the side (q, k, v) stay referenced until that wait, so the caching allocator cannot
-hand their memory out while the side stream still reads it.
+Stream discipline (eager and under graph capture alike): every side-stream launch first waits for
+everything the main stream has enqueued, and the main stream waits for a half's attention before
+using its output. Tensors the main stream allocated for the side (q, k, v) stay referenced until that
+wait, so the caching allocator cannot hand their memory out while the side stream still reads it.
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
 from splitserve.models.llama import start_residual
-
-logger = logging.getLogger(__name__)
-
-# SMs of the side stream's green context (see above): 48 was the best of 24/32/48/64 on that shape,
-# 32 on a step of twice its size (2.39 vs 2.42 ms there, against 2.69 one after the other).
-SIDE_SMS = 48
 
 
 def split_metadata(meta: AttentionMetadata, j: int) -> tuple[AttentionMetadata, AttentionMetadata]:
@@ -61,42 +46,18 @@ def split_metadata(meta: AttentionMetadata, j: int) -> tuple[AttentionMetadata, 
     return half(0, j, 0, t, False), half(j, meta.num_seqs, t, int(qsl[-1]), True)
 
 
-def order_for_overlap(scheduled: list, min_decodes: int) -> list | None:
-    """A mixed step's (request, num_tokens) list reordered for two halves: half of the decode rows
-    (one token each), the multi-token rows, the other half of the decode rows. None when the step
-    is not mixed or has fewer than min_decodes decode rows: then there is little attention to hide."""
-    decodes = [item for item in scheduled if item[1] == 1]
-    if min_decodes <= 0 or len(decodes) < min_decodes or len(decodes) == len(scheduled):
+def balanced_split(meta: AttentionMetadata, min_tokens: int) -> int | None:
+    """The sequence index that cuts the step's tokens closest to two equal halves, or None when the
+    step is too small to gain (fewer than min_tokens) or no cut leaves each half a quarter of it."""
+    qsl = meta.query_start_loc_cpu
+    total = int(qsl[-1])
+    if min_tokens <= 0 or total < min_tokens or meta.num_seqs < 2:
         return None
-    rest = [item for item in scheduled if item[1] != 1]
-    half = len(decodes) // 2
-    return decodes[:half] + rest + decodes[half:]
-
-
-def balanced_split(query_start_loc: torch.Tensor) -> int | None:
-    """The sequence index that cuts the step's tokens closest to two equal halves (host
-    query_start_loc), or None when no cut leaves each half at least a quarter of them."""
-    total, num_seqs = int(query_start_loc[-1]), query_start_loc.shape[0] - 1
-    if num_seqs < 2:
-        return None
-    j = int(torch.searchsorted(query_start_loc, total // 2))
-    j = min((c for c in (j - 1, j, j + 1) if 0 < c < num_seqs), key=lambda c: abs(2 * int(query_start_loc[c]) - total))
-    t = int(query_start_loc[j])
+    j = int(torch.searchsorted(qsl, total // 2))
+    candidates = [c for c in (j - 1, j, j + 1) if 0 < c < meta.num_seqs]
+    j = min(candidates, key=lambda c: abs(2 * int(qsl[c]) - total))
+    t = int(qsl[j])
     return j if min(t, total - t) * 4 >= total else None
-
-
-def side_stream(device: torch.device) -> tuple[object, torch.cuda.Stream] | None:
-    """(green context, its stream) for the halves' attention, or None where green contexts are not
-    available (CUDA < 12.4, a torch without them, or not CUDA)."""
-    green = getattr(torch.cuda, "green_contexts", None)
-    if device.type != "cuda" or green is None or not getattr(green, "SUPPORTED", False):
-        return None
-    try:
-        ctx = green.GreenContext.create(num_sms=SIDE_SMS, device_id=device.index or 0)
-        return ctx, ctx.Stream()
-    except RuntimeError as e:  # e.g. a driver without green contexts
-        logger.info("no green context for two-batch overlap (%s); mixed steps run whole", e)
-        return None
 
 
 class _Half:

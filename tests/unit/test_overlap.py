@@ -6,7 +6,7 @@ import random
 import torch
 
 from splitserve.attention.backend import AttentionMetadata
-from splitserve.worker.overlap import balanced_split, order_for_overlap, split_metadata
+from splitserve.worker.overlap import balanced_split, split_metadata
 
 
 def ragged_meta(q_lens: list[int], contexts: list[int], block_size: int = 4) -> AttentionMetadata:
@@ -45,26 +45,18 @@ def test_split_metadata_is_the_two_sub_batches():
         assert b.seq_lens.data_ptr() != meta.seq_lens[j:].data_ptr()
 
 
-def test_order_for_overlap_puts_half_the_decodes_at_each_end():
-    scheduled = [("d0", 1), ("p0", 700), ("d1", 1), ("d2", 1), ("p1", 300), ("d3", 1), ("d4", 1)]
-    order = order_for_overlap(scheduled, min_decodes=4)
-    assert order == [("d0", 1), ("d1", 1), ("p0", 700), ("p1", 300), ("d2", 1), ("d3", 1), ("d4", 1)]
-    assert order_for_overlap(scheduled, min_decodes=6) is None          # too few decode rows
-    assert order_for_overlap(scheduled, min_decodes=0) is None          # turned off
-    assert order_for_overlap([("d", 1)] * 100, min_decodes=4) is None   # pure decode: nothing to overlap with
-    assert order_for_overlap([("p", 100)] * 3, min_decodes=1) is None   # pure prefill
-
-
 def test_balanced_split_picks_the_middle_sequence_boundary():
-    # 180 decodes, prompts of 1000, 1024 and 900 tokens, 180 decodes: 3284 tokens; of the boundaries
-    # after 180 + 1000 = 1180 and 180 + 2024 = 2204, 1180 is nearer the middle (1642).
-    qsl = ragged_meta([1] * 180 + [1000, 1024, 900] + [1] * 180, [0] * 363).query_start_loc_cpu
-    j = balanced_split(qsl)
-    assert j == 181 and int(qsl[j]) == 1180
-    assert balanced_split(ragged_meta([1] * 600, [0] * 600).query_start_loc_cpu) == 300
+    # 360 decodes then three 1024-token prompts: 3432 tokens, the middle boundary after 360 + 1024.
+    meta = ragged_meta([1] * 360 + [1024] * 3, [1000] * 360 + [0] * 3)
+    j = balanced_split(meta, 512)
+    assert j == 361 and int(meta.query_start_loc_cpu[j]) == 1384
+    # pure decode: an even cut
+    assert balanced_split(ragged_meta([1] * 600, [100] * 600), 512) == 300
 
 
-def test_balanced_split_declines_lopsided_steps():
-    assert balanced_split(ragged_meta([2048], [0]).query_start_loc_cpu) is None                 # one sequence
-    assert balanced_split(ragged_meta([4000, 10, 10], [0, 5, 5]).query_start_loc_cpu) is None   # no cut near the middle
-    assert balanced_split(ragged_meta([3000, 1000], [0, 0]).query_start_loc_cpu) == 1           # 3:1 is still worth it
+def test_balanced_split_declines_small_or_lopsided_steps():
+    assert balanced_split(ragged_meta([1] * 500, [10] * 500), 512) is None       # too few tokens
+    assert balanced_split(ragged_meta([1] * 600, [10] * 600), 0) is None         # turned off
+    assert balanced_split(ragged_meta([2048], [0]), 512) is None                  # one sequence
+    assert balanced_split(ragged_meta([4000, 10, 10], [0, 5, 5]), 512) is None    # no cut near the middle
+    assert balanced_split(ragged_meta([3000, 1000], [0, 0]), 512) == 1            # 3:1 is still worth it
