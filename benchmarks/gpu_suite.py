@@ -54,30 +54,23 @@ def check(tokenizer_dir: str) -> None:
         ref_out = [o.outputs[0].token_ids for o in ref.generate(p, params, use_tqdm=False)]
         del ref
         torch.cuda.empty_cache()
-        # The fast path as configured, then with two-batch overlap from 8 tokens: decode graphs of >= 8
-        # sequences captured as overlapped halves, and (piecewise graphs off) mixed steps overlapped eagerly.
-        for label, overlap_min in (("", None), (" overlap>=8", 8)):
-            kwargs = {} if overlap_min is None else {"overlap_min_tokens": overlap_min}
-            fast = LLM(path, dtype=dtype, max_num_batched_tokens=512, num_blocks=4096, **kwargs)  # chunks + decodes
-            if overlap_min is not None:
-                fast.engine.runner.piecewise = None
-            fast_out = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]
-            again = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]  # prefix-cache hits
-            pool_whole = fast.engine.kv_manager.pool.is_whole()
-            same = sum(a == b for a, b in zip(ref_out, fast_out))
-            same2 = sum(a == b for a, b in zip(fast_out, again))
-            prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref_out, fast_out)]
-            rows.append((f"check {dtype}{label}: fast == torch_ref (greedy, 48 tok)", f"{same}/{len(p)} equal; first "
-                         f"diverging positions {[x for x in prefix if x < 48]}; rerun w/ prefix hits {same2}/{len(p)}; "
-                         f"pool whole {pool_whole}"))
-            del fast
-            torch.cuda.empty_cache()
+        fast = LLM(path, dtype=dtype, max_num_batched_tokens=512, num_blocks=4096)  # chunked prefill + decodes
+        fast_out = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]  # prefix-cache hits
+        pool_whole = fast.engine.kv_manager.pool.is_whole()
+        same = sum(a == b for a, b in zip(ref_out, fast_out))
+        same2 = sum(a == b for a, b in zip(fast_out, again))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref_out, fast_out)]
+        rows.append((f"check {dtype}: fast == torch_ref (greedy, 48 tok)", f"{same}/{len(p)} equal; first diverging "
+                     f"positions {[x for x in prefix if x < 48]}; rerun w/ prefix hits {same2}/{len(p)}; pool whole {pool_whole}"))
+        del fast
+        torch.cuda.empty_cache()
 
 
-def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tokens: int, **engine_kwargs) -> None:
+def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     t0 = time.perf_counter()
     llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, **engine_kwargs)
+              max_num_batched_tokens=max_num_batched_tokens)
     engine_s = time.perf_counter() - t0
     vocab = llm.engine.config.model.vocab_size
     seed = iter(range(1000, 10**6))
@@ -132,14 +125,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--overlap-min-tokens", type=int, default=None, help="two-batch overlap threshold (0: off)")
     args = ap.parse_args()
-    engine_kwargs = {} if args.overlap_min_tokens is None else {"overlap_min_tokens": args.overlap_min_tokens}
     try:
         if args.check:
             check(args.tokenizer_dir)
         if args.bench:
-            bench(args.bench.split(","), args.repeats, args.max_num_seqs, args.max_num_batched_tokens, **engine_kwargs)
+            bench(args.bench.split(","), args.repeats, args.max_num_seqs, args.max_num_batched_tokens)
     finally:
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
         for name, value in rows:

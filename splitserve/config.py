@@ -83,13 +83,6 @@ class CompileConfig:
     # Token counts of mixed/prefill steps captured as piecewise graphs. Above the largest, a step's
     # GPU time dwarfs the launch cost of running the compiled segments without graphs.
     piecewise_token_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
-    # Steps of at least this many tokens run as two halves, one half's attention beside the other's
-    # GEMMs (worker/overlap.py); 0 turns that off. Below it the GEMMs are bound by reading the weights,
-    # which two halves would read twice.
-    overlap_min_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        _require(self.overlap_min_tokens >= 0, f"overlap_min_tokens must be >= 0, got {self.overlap_min_tokens}")
 
     def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
         return [b for b in self.cudagraph_batch_sizes if b <= max_num_seqs]

@@ -54,7 +54,6 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None: triton on CUDA, torch_ref on CPU
     enforce_eager: bool = False
-    overlap_min_tokens: int = CompileConfig.overlap_min_tokens  # two-batch overlap from this step size; 0: off
     random_weights: bool = False
     async_scheduling: bool | None = None  # overlap host and device work across steps; None: on CUDA
     served_model_name: str | None = None
@@ -89,7 +88,7 @@ class LLMEngine:
         eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
         eos |= set(read_generation_eos(source))
         backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
-        compile_config = CompileConfig(enforce_eager=args.enforce_eager, overlap_min_tokens=args.overlap_min_tokens)
+        compile_config = CompileConfig(enforce_eager=args.enforce_eager)
         # The compiler stack's Python sources and the attention kernels compile in forked children
         # while the model is built; forked before any thread of ours starts.
         compiles = device.startswith("cuda") and not args.enforce_eager

@@ -22,23 +22,14 @@ import torch
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
 from splitserve.models.llama import start_residual
-from splitserve.worker.overlap import overlapped_forward
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    """With overlap_min > 0 and a side stream, a batch of at least overlap_min sequences is captured
-    as two halves with their attention overlapped (worker/overlap.py; the model must have the text
-    structure of supports_piecewise); smaller ones, whose GEMMs are bound by reading the weights, run
-    whole."""
-
     def __init__(self, model, backend_factory, sizes: list[int], max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device, overlap_min: int = 0,
-                 side: torch.cuda.Stream | None = None):
+                 max_model_len: int, device: torch.device):
         self.model = model
-        self.overlap_min = overlap_min
-        self.side = side if overlap_min > 0 else None
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -52,36 +43,23 @@ class DecodeGraphs:
             self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.backend_factory = backend_factory  # number of sequences -> backend with a fixed decode grid
+        self.backend_factory = backend_factory  # batch size -> backend with a fixed decode grid
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits here: one [max_size, vocab] fp32 buffer instead of one per
         # graph (together ~2 GB at 8B/128k vocab for sizes up to 512, taken from the KV cache).
         self.logits: torch.Tensor | None = None
 
-    def _context(self, lo: int, hi: int) -> ForwardContext:
-        """The attention context of rows [lo, hi) of the static buffers."""
-        n = hi - lo
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[lo:hi], query_start_loc=self.query_start_loc[:n + 1],
-            seq_lens=self.seq_lens[lo:hi], block_tables=self.block_tables[lo:hi], max_query_len=1,
-            max_seq_len=self.max_model_len, query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.zeros(n, dtype=torch.int32))
-        return ForwardContext(meta, self.backend_factory(n))
-
-    def overlap_split(self, bs: int) -> int | None:
-        """Where a batch of bs rows is halved, or None to run it whole. A multiple of 8, so that
-        the second half's int32/int64 buffer slices stay 16-byte aligned (see split_metadata)."""
-        split = bs // 16 * 8
-        return split if self.side is not None and bs >= self.overlap_min and split > 0 else None
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
+            max_seq_len=self.max_model_len, query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
 
     def _forward(self, bs: int) -> torch.Tensor:
-        split = self.overlap_split(bs)
-        if split is None:
-            with forward_context(self._context(0, bs)):
-                hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-        else:
-            hidden = overlapped_forward(self.model, self.input_ids[:bs], self.positions[:bs], split,
-                                        self._context(0, split), self._context(split, bs), self.side)
+        ctx = ForwardContext(self._meta(bs), self.backend_factory(bs))
+        with forward_context(ctx):
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if self.logits is None:  # the first (warm-up, uncaptured) run: learn the vocabulary size
             logits = self.model.compute_logits(hidden)
             self.logits = torch.empty(self.max_size, logits.shape[1], dtype=logits.dtype, device=logits.device)

@@ -19,7 +19,6 @@ from splitserve.core.scheduler import SchedulerOutput
 from splitserve.layers.sampler import Sampler
 from splitserve.request import Request
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from splitserve.worker.overlap import balanced_split, overlapped_forward, split_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +135,6 @@ class ModelRunner:
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        # Two-batch overlap (worker/overlap.py) of large steps: needs the text model's structure, and
-        # on CUDA a second stream for the attention of one half.
-        self.overlap_min = config.compile.overlap_min_tokens if supports_piecewise(model) else 0
-        self.side_stream = torch.cuda.Stream(self.device) if self.overlap_min and self.device.type == "cuda" else None
         # Vision-language models: encodes a step's images and builds its input embeddings.
         self.mm = None
         if getattr(model, "is_multimodal", False):
@@ -194,16 +189,13 @@ class ModelRunner:
             from splitserve.attention.ops.paged_attention import default_num_splits
             from splitserve.attention.triton_backend import TritonBackend
             m = self.config.model
-            backends: dict[int, TritonBackend] = {}
-
-            def factory(n: int) -> TritonBackend:
-                if n not in backends:
-                    backends[n] = TritonBackend(default_num_splits(n, m.num_kv_heads, m.max_model_len, self.device))
-                return backends[n]
+            backends = {bs: TritonBackend(default_num_splits(bs, m.num_kv_heads, m.max_model_len, self.device))
+                        for bs in sizes}
+            factory = backends.__getitem__
         else:
             factory = lambda bs: self.backend  # noqa: E731
         self.graphs = DecodeGraphs(self.model, factory, sizes, self.max_blocks_per_seq,
-                                   self.config.model.max_model_len, self.device, self.overlap_min, self.side_stream)
+                                   self.config.model.max_model_len, self.device)
         self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -304,11 +296,6 @@ class ModelRunner:
         if (self.piecewise is not None and batch.inputs_embeds is None
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
             hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx)
-        elif batch.inputs_embeds is None and (split := balanced_split(meta, self.overlap_min)) is not None:
-            meta_a, meta_b = split_metadata(meta, split)
-            hidden = overlapped_forward(self.model, batch.input_ids, batch.positions, int(meta.query_start_loc_cpu[split]),
-                                        ForwardContext(meta_a, self.backend), ForwardContext(meta_b, self.backend),
-                                        self.side_stream)
         else:
             with forward_context(ctx):
                 if batch.inputs_embeds is None:

@@ -107,25 +107,6 @@ def test_piecewise_segments_give_the_same_tokens(model_dir, baseline):
 
 
 @pytest.mark.parametrize("engine_kwargs", [
-    dict(num_blocks=256, max_num_batched_tokens=64),                                   # whole prompts + decodes
-    dict(num_blocks=20, block_size=8, max_num_batched_tokens=13, max_num_seqs=5),  # + chunks, preemption
-], ids=["plain", "constrained"])
-def test_two_batch_overlap_gives_the_same_tokens(model_dir, baseline, engine_kwargs, monkeypatch):
-    # Every step of >= 4 tokens that can be cut into balanced halves runs as two halves
-    # (worker/overlap.py), on CPU one after the other: the same tokens as whole steps.
-    from splitserve.worker import model_runner
-    splits = []
-    overlapped = model_runner.overlapped_forward
-    monkeypatch.setattr(model_runner, "overlapped_forward",
-                        lambda model, ids, *a: splits.append((a[1], ids.shape[0])) or overlapped(model, ids, *a))
-    engine, tokens = run(model_dir, prompts_with_shared_prefixes(), overlap_min_tokens=4, **engine_kwargs)
-    assert tokens == baseline
-    assert len(splits) >= 5 and all(0 < s < n for s, n in splits)
-    assert any(n - s != s for s, n in splits)  # uneven cuts at a sequence boundary too
-    assert engine.kv_manager.pool.is_whole()
-
-
-@pytest.mark.parametrize("engine_kwargs", [
     dict(num_blocks=256),                                                    # decode steps overlap
     dict(num_blocks=20, block_size=8, max_num_batched_tokens=13, max_num_seqs=5),  # + chunks, preemption
 ], ids=["plain", "constrained"])
