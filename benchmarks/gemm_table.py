@@ -9,9 +9,14 @@ library and the time of one layer's four matmuls with each library and with the 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import replay_ms  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
@@ -24,15 +29,7 @@ def time_linear(x: torch.Tensor, weights: list[torch.Tensor], library: str) -> f
     with torch.cuda.graph(g):
         for i, w in enumerate(weights):
             outs[i] = F.linear(x, w)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (20 * len(weights))
+    return replay_ms(g) / len(weights)
 
 
 def main() -> None:

@@ -133,18 +133,8 @@ def main() -> None:
     runner = llm.engine.runner
     for bs in (2, 8, 64, 256, 512, 1024):
         g = runner.graphs.graphs.get(bs)
-        if g is None:
-            continue
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"decode graph replay bs={bs}: {start.elapsed_time(end) / 20:.3f} ms")
+        if g is not None:
+            print(f"decode graph replay bs={bs}: {replay_ms(g):.3f} ms")
     rng = random.Random(5)
     vocab = llm.engine.config.model.vocab_size
 
@@ -177,6 +167,20 @@ def main() -> None:
         n, inp, out = (int(x) for x in args.trace_run.split(","))
         lines.append(trace_run(llm, prompts(n, inp), out, f"one {n} x {inp}/{out} run"))
     print("\n".join(lines))
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 20) -> float:
+    """GPU time of one replay of a captured graph, after three warm-up replays."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def kernel_table(prof, wall_s: float, label: str, rows: int = 16) -> None:
