@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from splitserve.attention.layer import Attention
-from splitserve.layers import gate_up_silu
 from splitserve.layers.activation import silu_and_mul
 from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.norm import RMSNorm
@@ -46,11 +45,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # From MIN_ROWS tokens on, one Triton kernel for gate/up and silu * mul (layers/gate_up_silu.py).
-        # Inside the compiled layer half the row test is a guard: one graph for each side of it.
-        if (self.gate_up_proj.bias is None and x.shape[0] >= gate_up_silu.MIN_ROWS
-                and gate_up_silu.supported(self.gate_up_proj.weight)):
-            return self.down_proj(gate_up_silu.gate_up_silu(x, self.gate_up_proj.weight))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
