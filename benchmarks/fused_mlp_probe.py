@@ -8,7 +8,9 @@ shape, ~1.4 GB of traffic per layer). Worth it only if its matmul keeps up with 
     python benchmarks/fused_mlp_probe.py [--rows 1000,3000,16384]
 
 Checks the fused kernel against torch on each shape, then times cuBLAS gate_up + silu * mul against
-the fused kernel's configurations, each inside a CUDA graph.
+the fused kernel's configurations, each inside a CUDA graph. Mind the baseline: its silu * mul is
+eager torch (two passes), where the engine's compiled layers run one Inductor kernel, so the gain
+printed here overstates the engine's (see BENCHMARKS.md, fifth session: none end to end).
 """
 from __future__ import annotations
 
