@@ -26,6 +26,18 @@ from splitserve.models.llama import start_residual
 logger = logging.getLogger(__name__)
 
 
+def decode_graph_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, max_model_len: int) -> AttentionMetadata:
+    """The metadata a decode graph of len(seq_lens) sequences is captured with: one query token each,
+    lengths known only on the device (so max_seq_len is the model's limit). kernel_precompile lays
+    its launches out the same way."""
+    bs = seq_lens.shape[0]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+        max_query_len=1, max_seq_len=max_model_len, query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+        seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
+
+
 class DecodeGraphs:
     def __init__(self, model, backend_factory, sizes: list[int], max_blocks_per_seq: int,
                  max_model_len: int, device: torch.device):
@@ -50,11 +62,8 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
-            max_seq_len=self.max_model_len, query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
+        return decode_graph_metadata(self.slot_mapping[:bs], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
+                                     self.block_tables[:bs], self.max_model_len)
 
     def _forward(self, bs: int) -> torch.Tensor:
         ctx = ForwardContext(self._meta(bs), self.backend_factory(bs))

@@ -53,9 +53,9 @@ def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.d
     start-up launches: the warm-up layouts (model_runner.warm_up_layouts) and the decode graphs'
     batch sizes, on tensors laid out like the engine's (meta tensors: no memory, same strides).
     Launches whose compile-time choices repeat an earlier one's are left out."""
-    from splitserve.attention.backend import AttentionMetadata
     from splitserve.attention.ops.paged_attention import default_num_splits, ragged_variant
     from splitserve.attention.triton_backend import TritonBackend
+    from splitserve.worker.cuda_graphs import decode_graph_metadata
     from splitserve.worker.model_runner import warm_up_batch, warm_up_layouts
 
     cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
@@ -74,13 +74,10 @@ def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.d
             seen.add(variant)
             yield TritonBackend(), q(num_seqs * q_len), cache, meta
     for bs, splits in spec.decode_splits:
-        meta = AttentionMetadata(  # as DecodeGraphs lays out its static buffers
-            slot_mapping=torch.empty(bs, dtype=torch.long, device=device),
-            query_start_loc=torch.empty(bs + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.empty(bs, dtype=torch.int32, device=device),
-            block_tables=torch.empty(bs, max_blocks, dtype=torch.int32, device=device),
-            max_query_len=1, max_seq_len=spec.max_model_len,
-            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32), seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
+        meta = decode_graph_metadata(
+            torch.empty(bs, dtype=torch.long, device=device), torch.empty(bs + 1, dtype=torch.int32, device=device),
+            torch.empty(bs, dtype=torch.int32, device=device),
+            torch.empty(bs, max_blocks, dtype=torch.int32, device=device), spec.max_model_len)
         variant = ("decode", splits > 1)
         if variant not in seen:
             seen.add(variant)

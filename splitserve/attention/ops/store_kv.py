@@ -109,6 +109,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     # Without rotary the q-side arguments are unused: stand-ins keep the signature.
     q_in, q_dst, pos, table = (q, q_out, positions, cos_sin) if rotary else (k, k, slot_mapping, k)
     num_heads = q_in.shape[1]
+    # Warps by the elements a program moves: K and V rows, plus q with rotary.
+    if rotary:
+        num_warps = 2 if num_heads * head_dim <= 2048 else 4
+    else:
+        num_warps = 1 if num_kv_heads * head_dim <= 512 else 4
     _store_kv_kernel[(num_tokens,)](
         k, v, kv_cache, slot_mapping, q_in, q_dst, pos, table,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_in.stride(0), q_in.stride(1),
@@ -118,6 +123,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         NUM_HEADS=num_heads, BLOCK_HQ=triton.next_power_of_2(num_heads), ROT_DIM=cos_sin.shape[-1] if rotary else 0,
-        num_warps=(1 if num_kv_heads * head_dim <= 512 else 4) if not rotary else (2 if num_heads * head_dim <= 2048 else 4),
+        num_warps=num_warps,
     )
     return q_out
