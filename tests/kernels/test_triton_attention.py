@@ -1,16 +1,12 @@
 """Triton KV-store and paged-attention kernels vs the torch reference (torch_ref.py).
 
-On a machine without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1), which must
-be set before triton is imported; shapes are tiny so the whole module runs in seconds.
+On a machine without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is imported); shapes are tiny so the whole module runs in seconds.
 """
 import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 
 def _interpreter_shims():
