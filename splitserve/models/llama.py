@@ -112,10 +112,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits; into `out` when given (converted while copied: no fp32 temporary)."""
+        """Logits in the model's dtype (into `out` when given). The sampler converts to fp32 only what
+        needs it: a greedy batch takes the argmax of these directly (exact, as the conversion is)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
-        return logits.float() if out is None else out.copy_(logits)
+        if out is None:
+            return torch.nn.functional.linear(hidden, weight)
+        return torch.mm(hidden, weight.t(), out=out)
 
     # -- weights ---------------------------------------------------------------------------------
     _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

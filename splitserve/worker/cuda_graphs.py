@@ -57,8 +57,9 @@ class DecodeGraphs:
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.backend_factory = backend_factory  # batch size -> backend with a fixed decode grid
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Every graph writes its logits here: one [max_size, vocab] fp32 buffer instead of one per
-        # graph (together ~2 GB at 8B/128k vocab for sizes up to 512, taken from the KV cache).
+        # Every graph writes its logits here: one [max_size, vocab] buffer in the model's dtype
+        # instead of one per graph (together ~1 GB at 8B/128k vocab for sizes up to 512, taken from
+        # the KV cache).
         self.logits: torch.Tensor | None = None
 
     def _meta(self, bs: int) -> AttentionMetadata:

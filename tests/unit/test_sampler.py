@@ -98,3 +98,23 @@ def test_logprobs_are_of_the_raw_distribution():
     assert torch.allclose(out.logprobs[0, 0], ref[0].max())
     assert torch.allclose(out.logprobs[0, 1:], ref[0].topk(3).values)
     assert out.logprob_ids[0, 1:].tolist() == ref[0].topk(3).indices.tolist()
+
+
+def test_bf16_logits_sample_as_their_fp32_values():
+    """The model hands over logits in its own dtype: a greedy batch takes their argmax directly, the
+    rest is computed in fp32 from the exact conversion, so results equal those of fp32 logits."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, V).bfloat16()
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins either way
+    exact = logits.float()
+    greedy = [req(str(i), temperature=0) for i in range(6)]
+    assert Sampler()(logits.clone(), greedy).token_ids.tolist() == exact.argmax(-1).tolist()
+    assert Sampler()(logits.clone(), greedy).token_ids[0].item() == 7
+
+    def batch():  # fresh requests per call: a seeded request keeps its generator's state
+        return [req("a", logprobs=2, temperature=0), req("p", temperature=0, repetition_penalty=1.5),
+                req("s", seed=5, temperature=0.7, top_p=0.9)] + [req(str(i), temperature=0) for i in range(3)]
+    out16, out32 = Sampler()(logits.clone(), batch()), Sampler()(exact.clone(), batch())
+    assert out16.token_ids.tolist() == out32.token_ids.tolist()
+    assert out16.logprobs.dtype == torch.float32
+    assert torch.equal(out16.logprobs, out32.logprobs)
