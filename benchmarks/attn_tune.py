@@ -1,6 +1,8 @@
-"""Tile configurations of the ragged paged-attention kernel on the device, per batch shape.
+"""Tile configurations of the paged-attention kernels on the device, per batch shape.
 
-    python benchmarks/attn_tune.py     # Llama-3-8B attention shape: 32 q heads, 8 KV heads, D 128, bf16
+    python benchmarks/attn_tune.py            # ragged kernel; Llama-3-8B attention: 32 q heads, 8 KV heads, D 128, bf16
+    python benchmarks/attn_tune.py --decode   # split-K decode kernel: (BLOCK_N, warps, stages), TB/s of K/V reads
+    add --default-only to time just the configuration the engine uses (A/B runs of two checkouts)
 
 For each shape: every (BLOCK_M rows, BLOCK_N, warps, stages) variant is checked against torch_ref on
 fresh random inputs, then timed (CUDA events, median); prints TFLOP/s per variant and the best.
@@ -8,6 +10,7 @@ fresh random inputs, then timed (CUDA events, median); prints TFLOP/s per varian
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 import triton
@@ -54,9 +57,53 @@ def run(q, cache, meta):
                                      meta.max_query_len, meta.max_seq_len, D ** -0.5)
 
 
+DECODE_SHAPES = {  # name: (sequences, context range, split count or None for the default)
+    "1024 seqs x ~190 (128/128)": (1024, (150, 230), None),
+    "360 seqs x ~1100 (1024/128)": (360, (1030, 1160), None),
+    "2 seqs x 200 (batch-1 graph)": (2, (200, 201), 16),
+    "8 seqs x 4k": (8, (4000, 4096), None),
+}
+
+
+def decode_main() -> None:
+    default = pa._decode_config
+    variants = [None] + [(n, w, s) for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+    if "--default-only" in sys.argv:
+        variants = [None]
+    gen = torch.Generator().manual_seed(0)
+    for name, (num_seqs, (lo, hi), splits) in DECODE_SHAPES.items():
+        lens = torch.randint(lo, hi, (num_seqs,), generator=gen).tolist()
+        q, cache, meta, _ = make([(n - 1, 1) for n in lens])
+        ref = paged_attention_ref(q, cache, meta, D ** -0.5).float()
+        kv_bytes = sum(lens) * HKV * D * 2 * q.element_size()
+        rows = []
+        for var in variants:
+            pa._decode_config = default if var is None else (lambda head_dim, var=var: var)
+            try:
+                def go():
+                    return pa.paged_decode_attention(q, cache, meta.seq_lens, meta.block_tables, 4096, D ** -0.5,
+                                                     num_splits=splits)
+                err = ((go().float() - ref).norm() / ref.norm()).item()
+                ms = triton.testing.do_bench(go, warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # out of shared memory etc.
+                print(f"{name:30s} {str(var):14s} failed: {type(e).__name__}")
+                continue
+            rows.append((ms, var, err))
+            print(f"{name:30s} {str(var):14s} {ms * 1e3:8.1f} us {kv_bytes / ms / 1e9:6.2f} TB/s  rel err {err:.1e}")
+        pa._decode_config = default
+        rows.sort(key=lambda r: r[0])
+        base = next(r for r in rows if r[1] is None)
+        print(f"BEST {name:30s} default {base[0] * 1e3:8.1f} us | best {str(rows[0][1]):14s} {rows[0][0] * 1e3:8.1f} us "
+              f"({base[0] / rows[0][0]:.2f}x, {kv_bytes / rows[0][0] / 1e9:.2f} TB/s), rel err {rows[0][2]:.1e}")
+
+
 def main() -> None:
+    if "--decode" in sys.argv:
+        return decode_main()
     default = pa._ragged_config
     variants = [None] + [(m, n, w, s) for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
+    if "--default-only" in sys.argv:
+        variants = [None]
     results = {}
     for name, seqs in SHAPES.items():
         q, cache, meta, flops = make(seqs)

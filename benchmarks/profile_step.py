@@ -247,7 +247,7 @@ def trace_run(llm: LLM, ps, max_tokens: int, label: str) -> str:
             wall = time.perf_counter() - t
     finally:
         del sched.schedule
-    kernel_table(prof, wall, f"{label} (profiled)", rows=24)
+    kernel_table(prof, wall, f"{label} (profiled)", rows=40)
     gpu_gaps(prof, label)
     steps = [n for n in tokens_per_step if n]
     full = sum(n >= 0.9 * llm.engine.config.scheduler.max_num_batched_tokens for n in steps)

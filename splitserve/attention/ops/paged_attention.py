@@ -96,12 +96,14 @@ def _ragged_paged_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr,  # KV block size: constexpr so position -> (block, offset) is shift/mask
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    pid = tl.program_id(0)
-    kv_h = tl.program_id(1)
+    # The KV heads of one query block are neighbouring programs: they run together and read the
+    # same cache rows (a token's heads are adjacent), which DRAM serves better than scattered rows.
+    pid = tl.program_id(0) // NUM_KV_HEADS
+    kv_h = tl.program_id(0) % NUM_KV_HEADS
 
     # Map the flat program id to (sequence, query block) without a host-side table: sequence i's
     # query blocks are numbered from qsl[i] // BLOCK_Q + i. That start is non-decreasing in i and
@@ -216,13 +218,13 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     group_pad = triton.next_power_of_2(group)
     block_q, block_n, num_warps, num_stages = ragged_variant(num_tokens, num_seqs, max_query_len, max_seq_len,
                                                              num_heads, num_kv_heads, head_dim)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     _ragged_paged_attn_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables,
         num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
@@ -245,8 +247,8 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     NUM_SPLITS = tl.num_programs(2)
-    seq = tl.program_id(0)
-    kv_h = tl.program_id(1)
+    kv_h = tl.program_id(0)  # fastest: a sequence's KV heads read adjacent cache rows together
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split gets a BLOCK_N-aligned slice, sized from this sequence's own length, so short
@@ -309,8 +311,8 @@ def _decode_reduce_kernel(
 ):
     NUM_SPLITS = num_splits
     # Merge the splits of one (sequence, query head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < NUM_SPLITS
@@ -382,7 +384,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    assert num_seqs < 65536, "the grid's second dimension holds the sequences"
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, out, part_o, part_lse, kv_cache, seq_lens, block_tables,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -393,7 +396,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
+        _decode_reduce_kernel[(num_heads, num_seqs)](
             out, part_o, part_lse, out.stride(0), out.stride(1), num_heads, num_splits,
             SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim,
             num_warps=1 if head_dim <= 64 else 2,
