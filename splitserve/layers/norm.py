@@ -20,5 +20,12 @@ class RMSNorm(nn.Module):
         """With a residual: returns (norm(x + residual), x + residual), the pre-norm block's pair."""
         if residual is None:
             return self._norm(x)
-        x = x + residual
+        if torch.compiler.is_compiling():
+            # The same sum (a half-precision add rounds the fp32 sum once), spelled so that Inductor
+            # does not rewrite `matmul + residual` into cuBLAS addmm: that first copies the residual
+            # into its output, a device-to-device copy of [tokens, hidden] per layer. Kept pointwise,
+            # the add fuses into this norm's kernel. (Eagerly the plain add is one kernel, not four.)
+            x = (x.float() + residual.float()).to(x.dtype)
+        else:
+            x = x + residual
         return self._norm(x), x
