@@ -270,23 +270,13 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_h_off = kv_h * stride_ch
-    # The only query token sits at position seq_len - 1, so there is no causal mask: just bounds.
+    # The only query token sits at position seq_len - 1, so the causal mask is no mask: the bound
+    # n < n_hi is all that cuts a tile.
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)
     for n_start in range(n_lo, n_hi, BLOCK_N):
-        offs = n_start + offs_n
-        n_ok = offs < n_hi
-        blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        row = blk * stride_cb + (offs % BLOCK_SIZE) * stride_cs + kv_h_off
-        k_ptrs = cache_ptr + row[:, None] + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0).to(q.dtype)
-        v = tl.load(k_ptrs + stride_ckv, mask=n_ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, n_hi,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale,
+                                     offs_n, offs_d, True, DOT_PRECISION)
 
     empty = l_i == 0.0  # split past the end of this sequence (or seq_len == 0: a padding slot)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
