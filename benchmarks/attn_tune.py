@@ -11,6 +11,7 @@ fresh random inputs, then timed (CUDA events, median); prints TFLOP/s per varian
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 import torch
@@ -19,6 +20,9 @@ import triton
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.ops import paged_attention as pa
 from splitserve.attention.torch_ref import paged_attention_ref
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import capture_graph  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 SHAPES = {  # name: list of (prefix_len, query_len) per sequence
@@ -69,12 +73,7 @@ DECODE_SHAPES = {  # name: (sequences, context range, split count or None for th
 def graph_ms(fn, calls: int = 10) -> float:
     """Median GPU time of one call, from replays of a CUDA graph of `calls` calls (as a decode graph
     runs them: no launch overhead in the figure)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g = capture_graph(lambda: [fn() for _ in range(calls)])
     return triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / calls
 
 

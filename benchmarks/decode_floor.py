@@ -19,21 +19,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_step import replay_ms  # noqa: E402
+from profile_step import capture_graph, replay_ms  # noqa: E402
 
 from splitserve.attention.ops.paged_attention import paged_decode_attention  # noqa: E402
 
 LAYERS, HIDDEN, INTER, VOCAB = 32, 4096, 14336, 128256
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def device_ops(g: torch.cuda.CUDAGraph) -> int:
@@ -63,7 +54,7 @@ def matmul_floor() -> None:
                         F.linear(xi, d["down"])
                     F.linear(x, head)
                 torch.backends.cuda.preferred_blas_library(lib)
-                g = graph_of(step)
+                g = capture_graph(step)
                 ms = min(replay_ms(g, 10) for _ in range(3))
                 print(f"M={m} {lib:9s} o_proj {'addmm' if addmm else 'mm':5s} {ms:7.3f} ms/step "
                       f"{nbytes / ms / 1e9:5.2f} TB/s {device_ops(g):4d} device ops", flush=True)
@@ -72,7 +63,7 @@ def matmul_floor() -> None:
             row = []
             for lib in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(lib)
-                g = graph_of(lambda: [F.linear(xin, d[name]) for d in layers])
+                g = capture_graph(lambda: [F.linear(xin, d[name]) for d in layers])
                 us = min(replay_ms(g, 10) for _ in range(3)) / LAYERS * 1e3
                 row.append(f"{lib} {us:6.1f} us {layers[0][name].numel() * 2 / us / 1e6:5.2f} TB/s")
             print(f"M={m} {name:8s} " + " | ".join(row), flush=True)
@@ -88,7 +79,7 @@ def attention_floor() -> None:
         seq_lens = torch.tensor([ctx, 0], device="cuda", dtype=torch.int32)
         row = []
         for splits in (1, 2, 4, 8, 16, 32):
-            g = graph_of(lambda: [paged_decode_attention(q, c, seq_lens, tables, 4096, D ** -0.5, num_splits=splits)
+            g = capture_graph(lambda: [paged_decode_attention(q, c, seq_lens, tables, 4096, D ** -0.5, num_splits=splits)
                                   for c in caches])
             row.append(f"{splits}: {min(replay_ms(g, 20) for _ in range(3)) / LAYERS * 1e3:5.1f}")
         print(f"decode attention, batch-2 graph, context {ctx:4d}, us per layer by split count: " + "  ".join(row))

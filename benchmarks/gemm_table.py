@@ -16,19 +16,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_step import replay_ms  # noqa: E402
+from profile_step import capture_graph, replay_ms  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
 def time_linear(x: torch.Tensor, weights: list[torch.Tensor], library: str) -> float:
     torch.backends.cuda.preferred_blas_library(library)
-    outs = [F.linear(x, w) for w in weights]  # warm-up (plans, workspace)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i, w in enumerate(weights):
-            outs[i] = F.linear(x, w)
+    g = capture_graph(lambda: [F.linear(x, w) for w in weights])
     return replay_ms(g) / len(weights)
 
 

@@ -169,6 +169,16 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn run once outside a graph (compilation, cuBLAS plans, allocations), then captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 20) -> float:
     """GPU time of one replay of a captured graph, after three warm-up replays."""
     for _ in range(3):
