@@ -5,7 +5,7 @@ process-global registry. Two kinds of figures:
 - per-request figures (latencies, token counts, finish reasons) are observed as outputs arrive on
   the event loop, from the engine-side timestamp of the step that produced them;
 - engine state (running/waiting, KV usage, prefix-cache and preemption counters) is read at scrape
-  time from the snapshot the engine thread takes after each iteration, never from live structures.
+  time from the counters the engine core sends with each step, never from live structures.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from splitserve.engine.async_engine import EngineStats, RequestStream
+from splitserve.engine.async_engine import RequestStream
+from splitserve.engine.messages import SchedulerStats
 from splitserve.engine.output_processor import RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -32,7 +33,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class _EngineStateCollector(Collector):
     """Gauges and engine-owned counters, produced fresh on each scrape."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]):
         self.model_name = model_name
         self.stats = stats
 
@@ -57,13 +58,13 @@ class _EngineStateCollector(Collector):
         yield counter("splitserve:prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_queries)
         yield counter("splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hits)
         yield counter("splitserve:num_requests_added", "Requests the engine took in (each finishes exactly once).",
-                      s.num_added)
+                      s.num_received)
         yield counter("splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       s.num_preemptions)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]):
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, ln = self.registry, ["model_name"]

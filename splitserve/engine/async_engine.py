@@ -1,32 +1,37 @@
-"""The asyncio front of the engine.
+"""The server's engine: the front on the event loop, the core on its own (a process, or a thread).
 
-`LLMEngine.step()` is synchronous and runs for tens of milliseconds (seconds on a slow CPU), so it
-must never run on the event loop: the loop would stop accepting connections and sending tokens.
-The engine therefore lives in one dedicated thread that owns it exclusively. The loop talks to that
-thread through a command list guarded by a condition variable (add / abort / stop), and the thread
-hands outputs back with `loop.call_soon_threadsafe`, once per step for the whole batch. Each request
-has its own asyncio queue; whoever iterates it sees the outputs of that request only.
-
-When there is no work the thread sleeps on the condition; a new command wakes it. No polling.
+`AsyncLLMEngine.launch(args)` starts the engine core in a process of its own (what `splitserve
+serve` does): the scheduler and the model never share an interpreter with HTTP, tokenization and
+detokenization. `AsyncLLMEngine(llm_engine)` drives an engine built in this process with the same
+loop on a thread (tests, embedding). Either way the front talks to the core through the messages of
+messages.py over ZeroMQ, one per step each way (core_loop.py), and every request has its own asyncio
+queue of outputs. A receiver thread waits on the core's socket and hands each step's message to the
+event loop, which runs the output processor (detokenization, stop strings) and feeds the streams.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from splitserve.engine.llm_engine import EngineDeadError, LLMEngine
+import zmq
+
+from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreToFront, CoreReady, EngineCoreOutputs,
+                                        FrontToCore, SchedulerStats, Shutdown)
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How long the engine thread waits when the engine has work but could not schedule any of it.
-_IDLE_BACKOFF_S = 0.005
+# How often the receiver thread looks at the core process when no message comes.
+_WATCH_INTERVAL_MS = 200
 
 
 class EngineOverloadedError(RuntimeError):
@@ -39,19 +44,6 @@ class EngineShutdownError(RuntimeError):
 
 class EngineRequestError(RuntimeError):
     """The engine failed while running this request; the engine itself keeps serving."""
-
-
-@dataclass
-class EngineStats:
-    """A consistent picture of the engine, taken by the engine thread after each iteration, so
-    readers on other threads never look at the scheduler while it is being mutated."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_preemptions: int = 0
-    num_added: int = 0       # requests the engine took in; when idle, every one of them has finished
 
 
 class RequestStream:
@@ -83,49 +75,175 @@ class RequestStream:
         return item
 
 
+class _CorePlacement:
+    """Where the core runs and how the front reaches it: two bound sockets, and a process or a thread."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="splitserve-")
+        self.input_addr = f"ipc://{self.dir}/input"
+        self.output_addr = f"ipc://{self.dir}/output"
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(self.input_addr)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(self.output_addr)
+        self.process: multiprocessing.Process | None = None
+        self.thread: threading.Thread | None = None
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    def exit_description(self) -> str:
+        if self.process is not None:
+            return f"the engine core process died (exit code {self.process.exitcode})"
+        return "the engine core thread stopped"
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+
+    def close(self) -> None:
+        self.input.close(0)
+        self.output.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
-                 on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None):
+    def __init__(self, engine=None, max_queued_requests: int | None = None,
+                 on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None, *,
+                 front=None, placement: _CorePlacement | None = None):
+        """`engine`: an LLMEngine whose core this object drives on a thread. (`launch` builds the
+        other placement, the core in a process of its own, and passes `front` and `placement`.)"""
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
-        self.engine = engine
+        if placement is None:
+            placement = _CorePlacement()
+            placement.thread = threading.Thread(target=self._run_core_thread, args=(engine.core, placement),
+                                                name="splitserve-engine-core", daemon=True)
+            front = engine.front
+        self.engine = engine if engine is not None else front  # tokenizer, config, model name, validation
+        self.front = front
         self.max_queued_requests = max_queued_requests
         # Called on the loop thread for every output with the engine-side timestamp (for metrics).
         self.on_output = on_output
-        self._cond = threading.Condition()
-        self._commands: list[tuple] = []   # ("add", id, token_ids, params, arrival) | ("abort", id)
-        self._num_pending_adds = 0         # sequences (n per request) accepted, not yet in the engine
+        # Called on the loop thread once if the core dies without saying why (the server exits).
+        self.on_core_lost: Callable[[], None] | None = None
+        self._placement = placement
+        self._to_core = Codec(FrontToCore)
+        self._send_lock = threading.Lock()
         self._stopping = False
+        self._closed = False
         self._dead: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}   # loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.stats = EngineStats()
-        self._num_added = 0   # engine thread only
-        scheduler_config = getattr(getattr(engine, "config", None), "scheduler", None)
-        self._max_running = getattr(scheduler_config, "max_num_seqs", 0)
-        self._snapshot()
+        self._receiver: threading.Thread | None = None
+        self._num_sent = 0  # sequences sent to the core (it reports how many it has taken in)
+        self.stats = SchedulerStats()
+        self._max_running = front.config.scheduler.max_num_seqs
+
+    @staticmethod
+    def _run_core_thread(core, placement: _CorePlacement) -> None:
+        from splitserve.engine.core_loop import connect_sockets, run_core_loop
+        inp, out = connect_sockets(placement.ctx, placement.input_addr, placement.output_addr)
+        try:
+            run_core_loop(core, inp, out)
+        except BaseException:
+            logger.exception("engine core thread died")
+        finally:
+            inp.close(0)
+            out.close(2000)
+
+    @classmethod
+    def launch(cls, args, max_queued_requests: int | None = None, stream_interval: int = 1,
+               ready_timeout: float | None = None) -> "AsyncLLMEngine":
+        """Starts the engine core in a process of its own and builds the front here meanwhile."""
+        from splitserve.engine.core import resolve_model_spec
+        from splitserve.engine.core_loop import core_process_main
+        from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
+        spec = resolve_model_spec(args)  # bad arguments fail here, before any process starts
+        placement = _CorePlacement()
+        try:
+            placement.process = multiprocessing.get_context("spawn").Process(
+                target=core_process_main, name="splitserve-engine-core",
+                args=(args, placement.input_addr, placement.output_addr, os.getpid(), logging.getLogger().level))
+            placement.process.start()
+            tokenizer = load_front_tokenizer(spec, args.random_weights)
+            mm_processor = build_front_mm_processor(spec, tokenizer)
+            ready = cls._wait_ready(placement, ready_timeout)
+            front = EngineFront(spec, tokenizer, ready.num_blocks, ready.block_size, mm_processor, stream_interval)
+        except BaseException:
+            if placement.process is not None and placement.process.is_alive():
+                placement.process.kill()
+                placement.process.join(5)
+            placement.close()
+            raise
+        logger.info("engine core process %d ready", placement.process.pid)
+        return cls(max_queued_requests=max_queued_requests, front=front, placement=placement)
+
+    @staticmethod
+    def _wait_ready(placement: _CorePlacement, timeout: float | None) -> CoreReady:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        decoder = Codec(CoreToFront)
+        while deadline is None or time.monotonic() < deadline:
+            if placement.output.poll(_WATCH_INTERVAL_MS):
+                msg = decoder.decode(placement.output.recv())
+                if not isinstance(msg, CoreReady):
+                    raise RuntimeError(f"the engine core sent {type(msg).__name__} before it was ready")
+                if msg.error:
+                    raise RuntimeError(f"the engine core failed to start: {msg.error}")
+                return msg
+            if not placement.alive():
+                raise RuntimeError(f"{placement.exit_description()} while starting")
+        raise RuntimeError(f"the engine core was not ready after {timeout} s")
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Binds to the running event loop and starts the engine thread (idempotent)."""
-        if self._thread is not None:
+        """Binds to the running event loop and starts the core thread (if any) and the receiver
+        (idempotent)."""
+        if self._receiver is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="splitserve-engine", daemon=True)
-        self._thread.start()
+        if self._placement.thread is not None:
+            self._placement.thread.start()
+        self._receiver = threading.Thread(target=self._receive, name="splitserve-core-receiver", daemon=True)
+        self._receiver.start()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts whatever is left, stops the thread and waits for it (off the loop)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        """Aborts whatever is left, stops the core and waits for it (off the loop)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        self.abort_all()
+        if self._placement.alive():
+            self._send(Shutdown())
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._placement.join, timeout)
+        if self._receiver is not None:
+            await loop.run_in_executor(None, self._receiver.join, timeout)
+        self._placement.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop
+
+    @property
+    def core_pid(self) -> int | None:
+        return None if self._placement.process is None else self._placement.process.pid
 
     @property
     def is_running(self) -> bool:
@@ -141,22 +259,32 @@ class AsyncLLMEngine:
 
     def _queued_with(self, num_new: int) -> int:
         """Sequences that will wait for a place in the running batch once `num_new` more arrive:
-        those accepted but not yet handed to the engine plus those waiting in it, less the free
+        those sent to the core that it has not taken in yet plus those waiting there, less the free
         places of the batch, which the next step fills. Counted in sequences (a request with n=4
-        is 4), the unit the engine queues."""
-        with self._cond:  # all from the same moment: see _snapshot
-            free = max(0, self._max_running - self.stats.num_running)
-            return max(0, self._num_pending_adds + self.stats.num_waiting + num_new - free)
+        is 4), the unit the core queues. Loop thread only: `stats` is replaced there."""
+        s = self.stats
+        free = max(0, self._max_running - s.num_running)
+        return max(0, self._num_sent - s.num_received + s.num_waiting + num_new - free)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
     # -- requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    def _send(self, msg) -> None:
+        data = self._to_core.encode(msg)
+        with self._send_lock:
+            try:
+                self._placement.input.send(data, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):  # the core is gone; its loss is reported elsewhere
+                logger.warning("could not send %s to the engine core", type(msg).__name__)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    prompt_ids: list[int] | None = None) -> RequestStream:
         """Validates and queues a request; returns its stream. Raises at once (before anything is
         queued) with ValueError for bad input, EngineOverloadedError when the queue is full and
-        EngineShutdownError when stopping. Must be called on the event loop thread."""
+        EngineShutdownError when stopping. Must be called on the event loop thread. `prompt_ids`:
+        the prompt already tokenized and validated (by the caller, off the loop)."""
         self.start()
         if self._dead is not None:
             raise EngineShutdownError(f"the engine has stopped after an error: {self._dead}")
@@ -174,26 +302,33 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # Tokenize and validate here, not in the engine thread, so bad input fails the HTTP call
-        # synchronously with a 400 instead of surfacing later inside a stream.
-        token_ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate(token_ids, params)
-        arrival = time.monotonic()
-        stream = RequestStream(request_id, arrival)
+        request_id, core_requests = self.front.new_request(request_id, prompt, params, prompt_ids=prompt_ids)
+        stream = RequestStream(request_id, core_requests[0].arrival_time)
         self._streams[request_id] = stream
-        with self._cond:
-            self._commands.append(("add", request_id, token_ids, params, arrival))
-            self._num_pending_adds += params.n
-            self._cond.notify()
+        self._num_sent += len(core_requests)
+        self._send(AddRequests(core_requests))
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Asks the engine to drop a request and free its blocks. Safe from any thread, any time."""
-        with self._cond:
-            if self._stopping:
-                return
-            self._commands.append(("abort", request_id))
-            self._cond.notify()
+        """Drops a request and frees its blocks; its stream ends with finish_reason "abort". Safe
+        from any thread, any time."""
+        if self._loop is not None and not self._on_loop_thread():
+            try:
+                self._loop.call_soon_threadsafe(self.abort, request_id)
+            except RuntimeError:  # the loop is closed
+                pass
+            return
+        out, seq_ids = self.front.output_processor.abort(request_id)
+        if seq_ids:
+            self._send(AbortRequests(seq_ids))
+        if out is not None:
+            self._dispatch([out], time.monotonic())
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     def abort_all(self) -> int:
         """Aborts every request in flight (the end of a drain); returns how many. Loop thread."""
@@ -214,8 +349,55 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
+    # -- receiver thread ------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Waits for the core's messages and hands each to the loop; notices a core that is gone."""
+        decoder = Codec(CoreToFront)
+        sock = self._placement.output
+        try:
+            while True:
+                if sock.poll(_WATCH_INTERVAL_MS):
+                    msg = decoder.decode(sock.recv(copy=False).buffer)
+                    if isinstance(msg, EngineCoreOutputs):
+                        self._loop.call_soon_threadsafe(self._on_core_outputs, msg)
+                    continue
+                if not self._placement.alive():
+                    while sock.poll(0):  # what it sent before it went
+                        msg = decoder.decode(sock.recv())
+                        if isinstance(msg, EngineCoreOutputs):
+                            self._loop.call_soon_threadsafe(self._on_core_outputs, msg)
+                    if not self._stopping:
+                        self._loop.call_soon_threadsafe(self._on_core_gone, self._placement.exit_description())
+                    return
+        except (zmq.ZMQError, RuntimeError):  # the sockets closed at shutdown, or the loop did
+            return
+
     # -- loop-thread side -------------------------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput], errors: list[tuple[str, BaseException]], ts: float) -> None:
+    def _on_core_outputs(self, msg: EngineCoreOutputs) -> None:
+        self.stats = msg.stats
+        if msg.outputs:
+            outputs, drop = self.front.output_processor.process(msg.outputs, msg.timestamp)
+            for reason, ids in drop.items():
+                self._send(AbortRequests(ids, reason))
+            self._dispatch(outputs, msg.timestamp)
+        if msg.dead is not None and self._dead is None:
+            # The core gave up (steps keep failing): new requests get 503, /health turns 503, and the
+            # server stays up to say so.
+            from splitserve.engine.core import EngineDeadError
+            self._dead = EngineDeadError(msg.dead)
+            self._fail_all(self._dead)
+
+    def _on_core_gone(self, why: str) -> None:
+        if self._dead is not None:
+            return
+        logger.error("%s; failing %d request(s) in flight", why, len(self._streams))
+        from splitserve.engine.core import EngineDeadError
+        self._dead = EngineDeadError(why)
+        self._fail_all(self._dead)
+        if self.on_core_lost is not None:
+            self.on_core_lost()
+
+    def _dispatch(self, outputs: list[RequestOutput], ts: float) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -232,100 +414,10 @@ class AsyncLLMEngine:
                 stream._put(EngineRequestError("the engine failed while running this request"))
             else:
                 stream._put(out)
-        for request_id, exc in errors:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.engine_done = True
-                stream._put(exc)
-
-    def _post(self, outputs: list[RequestOutput], errors: list[tuple[str, BaseException]]) -> None:
-        if not outputs and not errors:
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs, errors, time.monotonic())
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    # -- engine thread ----------------------------------------------------------------------------
-    def _snapshot(self, num_adds_done: int = 0) -> None:
-        """Publishes the engine's state. `num_adds_done` sequences handed to the engine since the last
-        snapshot stop counting as pending at the same moment as they start counting as waiting (one
-        lock), so the queue limit neither under- nor over-counts them."""
-        e = self.engine
-        kv = getattr(e, "kv_manager", None)
-        stats = EngineStats(
-            num_running=e.num_running, num_waiting=e.num_waiting, kv_usage=e.kv_usage(),
-            prefix_queries=getattr(kv, "prefix_queries", 0), prefix_hits=getattr(kv, "prefix_hits", 0),
-            num_preemptions=getattr(getattr(e, "scheduler", None), "num_preemptions", 0), num_added=self._num_added)
-        with self._cond:
-            self.stats = stats
-            self._num_pending_adds -= num_adds_done
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._cond:
-                    while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                        self._cond.wait()
-                    commands, self._commands = self._commands, []
-                    stopping = self._stopping
-                num_adds = sum(c[3].n for c in commands if c[0] == "add")
-                outputs: list[RequestOutput] = []
-                errors: list[tuple[str, BaseException]] = []
-                # Commands in arrival order, so an abort that follows its add finds the request.
-                for cmd in commands:
-                    if cmd[0] == "add":
-                        _, rid, token_ids, params, arrival = cmd
-                        try:
-                            engine.add_request(rid, token_ids, params, arrival_time=arrival)
-                            self._num_added += 1
-                        except Exception as e:  # validated already; a failure here is ours
-                            logger.exception("adding request %s failed", rid)
-                            errors.append((rid, EngineRequestError(f"could not add the request: {e}")))
-                    else:
-                        outputs.extend(engine.abort_request(cmd[1]))
-                if stopping:
-                    outputs.extend(engine.abort_request(list(engine.states)))
-                    self._snapshot()
-                    self._post(outputs, errors)
-                    return
-                stepped_idle = False
-                if engine.has_unfinished_requests():
-                    try:
-                        started = time.monotonic()
-                        step_outputs = engine.step()
-                        outputs.extend(step_outputs)
-                        # A step that produced nothing and took no time scheduled nothing (work it
-                        # cannot admit yet): back off below instead of spinning on it.
-                        stepped_idle = not step_outputs and time.monotonic() - started < 1e-3
-                    except EngineDeadError:
-                        raise  # not recoverable: below, every request fails and /health turns 503
-                    except Exception as e:
-                        # The step raised outside the model call (which fails only its own batch):
-                        # fail everything in flight and keep serving new requests.
-                        logger.exception("engine step failed; failing all in-flight requests")
-                        ids = list(engine.states)
-                        try:
-                            engine.abort_request(ids)
-                        except Exception:
-                            logger.exception("cleanup after a failed step failed")
-                            engine.states.clear()
-                        errors.extend((rid, EngineRequestError(f"engine step failed: {e}")) for rid in ids)
-                self._snapshot(num_adds)
-                self._post(outputs, errors)
-                with self._cond:
-                    if stepped_idle and not commands and not self._commands:
-                        self._cond.wait(_IDLE_BACKOFF_S)
-        except BaseException as e:  # a bug in this loop: fail every request, report unhealthy
-            logger.exception("engine thread died")
-            self._dead = e
-            if self._loop is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self._fail_all, e)
-                except RuntimeError:
-                    pass
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._streams):
-            self._streams.pop(rid)._put(EngineShutdownError(f"the engine stopped: {exc}"))
+            self.front.output_processor.abort(rid, "error")
+            stream = self._streams.pop(rid)
+            stream.engine_done = True
+            stream._put(EngineShutdownError(f"the engine stopped: {exc}"))

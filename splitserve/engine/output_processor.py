@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from splitserve.request import Request, RequestStatus
+from splitserve.sampling_params import SamplingParams
 
 try:
     from tokenizers.decoders import DecodeStream as _DecodeStream
@@ -83,39 +83,65 @@ class RequestOutput:
 
 
 class _ChildState:
-    def __init__(self, request: Request, index: int, tokenizer):
-        self.request = request
+    """One sequence (of the n a request samples) as the front sees it: tokens, text, what was sent."""
+
+    def __init__(self, request_id: str, index: int, params: SamplingParams, prompt_token_ids: list[int],
+                 tokenizer):
+        self.request_id = request_id
         self.index = index
-        self.params = request.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, self.params.skip_special_tokens)
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.text = ""
         self.sent_text = 0     # chars of text already delivered
         self.sent_tokens = 0   # tokens already delivered
-        self.holdback = max((len(s) for s in self.params.stop), default=1) - 1
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class RequestState:
     """One user request: its n children (parallel samples) and what has been delivered of each."""
 
-    def __init__(self, request_id: str, prompt: str | None, children: list[Request], tokenizer):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], arrival_time: float, tokenizer, stream: bool = True):
         self.request_id = request_id
         self.prompt = prompt
-        self.children = [_ChildState(r, i, tokenizer) for i, r in enumerate(children)]
-        self.arrival_time = children[0].arrival_time
-        self.stream = True  # report every step's progress, not only the end
+        self.prompt_token_ids = prompt_token_ids
+        self.eos_token_ids = eos_token_ids
+        n = params.n
+        self.children = [_ChildState(request_id if n == 1 else f"{request_id}#{i}", i,
+                                     params if n == 1 else params.for_child(i), prompt_token_ids, tokenizer)
+                         for i in range(n)]
+        self.arrival_time = arrival_time
+        self.stream = stream  # report progress as it comes, not only the end
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        self.queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
-        return all(c.request.is_finished for c in self.children)
+        return all(c.finished for c in self.children)
 
-    def process_tokens(self, child: _ChildState, num_new: int) -> str | None:
-        """Detokenizes the child's newest tokens; returns the stop string it hit, if any."""
-        r, params = child.request, child.params
-        out_ids = r.output_token_ids
-        for i in range(len(out_ids) - num_new, len(out_ids)):
-            token = out_ids[i]
-            if r.is_finished and i == len(out_ids) - 1 and r.status == RequestStatus.FINISHED_STOPPED \
-                    and (token in r.eos_token_ids or token in params.stop_token_ids) and params.skip_special_tokens:
+    def add_tokens(self, child: _ChildState, token_ids: list[int], logprobs, finish_reason: str | None,
+                   stop_reason) -> str | None:
+        """Appends a child's new tokens and detokenizes them; returns the stop string they completed,
+        if any (the child then ends with finish reason "stop")."""
+        params = child.params
+        child.token_ids += token_ids
+        if child.logprobs is not None and logprobs:
+            child.logprobs += logprobs
+        if finish_reason is not None:
+            child.finish_reason, child.stop_reason = finish_reason, stop_reason
+        num_out = len(child.token_ids)
+        for i, token in enumerate(token_ids, start=num_out - len(token_ids)):
+            if finish_reason == "stop" and i == num_out - 1 and params.skip_special_tokens \
+                    and (token in self.eos_token_ids or token in params.stop_token_ids):
                 continue  # a stop token is not part of the text
             piece = child.detok.add(token)
             if not piece:
@@ -127,6 +153,10 @@ class RequestState:
                 if hit is not None:
                     pos, stop = hit
                     child.text = child.text[:pos + len(stop)] if params.include_stop_str_in_output else child.text[:pos]
+                    del child.token_ids[i + 1:]  # tokens past the stop string are not output
+                    if child.logprobs is not None:
+                        del child.logprobs[i + 1:]
+                    child.finish_reason, child.stop_reason = "stop", stop
                     return stop
         return None
 
@@ -139,27 +169,105 @@ class RequestState:
                 best = (pos, stop)
         return best
 
+    def finish_all(self, reason: str) -> list[str]:
+        """Ends every unfinished child with `reason`; returns their ids (for the core to drop)."""
+        ended = [c for c in self.children if not c.finished]
+        for c in ended:
+            c.finish_reason = reason
+        return [c.request_id for c in ended]
+
+    def unsent_tokens(self) -> int:
+        return max(len(c.token_ids) - c.sent_tokens for c in self.children)
+
     def make_output(self, streaming_holdback: bool = True) -> RequestOutput:
         outputs = []
         for c in self.children:
-            r = c.request
-            finished = r.is_finished
+            finished = c.finished
             # While running, hold back the tail that might still become a stop string.
             visible = len(c.text) if finished or not streaming_holdback else max(c.sent_text, len(c.text) - c.holdback)
-            logprobs = r.output_logprobs if r.sampling_params.logprobs is not None else None
             outputs.append(CompletionOutput(
-                index=c.index, text=c.text[:visible], token_ids=list(r.output_token_ids),
-                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason, logprobs=logprobs,
+                index=c.index, text=c.text[:visible], token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, logprobs=c.logprobs,
                 delta_text=c.text[c.sent_text:visible],
-                delta_token_ids=r.output_token_ids[c.sent_tokens:],
-                delta_logprobs=None if logprobs is None else logprobs[c.sent_tokens:]))
-            c.sent_text, c.sent_tokens = visible, len(r.output_token_ids)
-        first = self.children[0].request
+                delta_token_ids=c.token_ids[c.sent_tokens:],
+                delta_logprobs=None if c.logprobs is None else c.logprobs[c.sent_tokens:]))
+            c.sent_text, c.sent_tokens = visible, len(c.token_ids)
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs, finished=self.finished, num_cached_tokens=first.num_cached_tokens,
-            arrival_time=self.arrival_time, first_token_time=first.first_token_time,
-            queue_time=None if first.first_scheduled_time is None else first.first_scheduled_time - self.arrival_time)
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, queue_time=self.queue_time)
+
+
+class OutputProcessor:
+    """The front's half of every request: turns the core's token outputs into RequestOutputs.
+
+    `process` returns the outputs to deliver and the sequences the core must drop: stop strings are
+    found here (the core sees no text), and a child that fails fails its siblings. With
+    `stream_interval` N, a running request's output is delivered once N new tokens have gathered
+    (1: every token is its own event); final outputs are always delivered at once."""
+
+    def __init__(self, tokenizer, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.states: dict[str, RequestState] = {}
+        self.children: dict[str, tuple[RequestState, _ChildState]] = {}  # sequence id -> its request
+
+    def add_request(self, state: RequestState) -> None:
+        if state.request_id in self.states:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        self.states[state.request_id] = state
+        for c in state.children:
+            self.children[c.request_id] = (state, c)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def process(self, core_outputs, timestamp: float) -> tuple[list[RequestOutput], dict[str, list[str]]]:
+        """-> (outputs to deliver, {"stop" | "error": sequence ids the core must still end})."""
+        touched: dict[str, RequestState] = {}
+        drop: dict[str, list[str]] = {}
+        for o in core_outputs:
+            entry = self.children.get(o.request_id)
+            if entry is None:  # ended here already (a stop string, an abort): late tokens are dropped
+                continue
+            state, child = entry
+            if child.finished:
+                continue
+            if o.new_token_ids and state.first_token_time is None:
+                state.first_token_time = timestamp
+                state.num_cached_tokens = o.num_cached_tokens
+            if o.queue_time is not None and state.queue_time is None:
+                state.queue_time = o.queue_time
+            stop = state.add_tokens(child, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason)
+            if stop is not None and o.finish_reason is None:
+                drop.setdefault("stop", []).append(child.request_id)
+            if o.finish_reason == "error":  # one failed sample fails the request
+                drop.setdefault("abort", []).extend(state.finish_all("error"))
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                outputs.append(self._finish(state))
+            elif state.stream and state.unsent_tokens() >= self.stream_interval:
+                outputs.append(state.make_output())
+        return outputs, drop
+
+    def abort(self, request_id: str, reason: str = "abort") -> tuple[RequestOutput | None, list[str]]:
+        """Ends a request here; -> (its final output, the sequence ids the core must drop)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None, []
+        ids = state.finish_all(reason)
+        return self._finish(state), ids
+
+    def _finish(self, state: RequestState) -> RequestOutput:
+        out = state.make_output()
+        self.states.pop(state.request_id, None)
+        for c in state.children:
+            self.children.pop(c.request_id, None)
+        return out
 
 
 def now() -> float:

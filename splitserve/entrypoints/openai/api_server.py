@@ -8,6 +8,7 @@ requests finish for up to --drain-timeout seconds, aborts what is left, then exi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -35,6 +36,8 @@ from splitserve.multimodal.media import MediaPolicy
 logger = logging.getLogger(__name__)
 
 _DRAIN_GRACE_S = 3.0
+# After the engine core process is lost, /health answers 503 this long before the server exits.
+_CORE_LOST_GRACE_S = 2.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="stream a running request's tokens in events of this many (default: 1, every token)")
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -263,9 +268,10 @@ def _make_server(config, on_signal):
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """Starts the engine core in its own process, then serves HTTP here until a signal (exit 0) or
+    the loss of the core process (exit 1, after answering 503 for a moment so probes see why)."""
     import uvicorn
 
-    from splitserve.engine.llm_engine import LLMEngine
     from splitserve.entrypoints.cli import engine_args_from
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
@@ -274,7 +280,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    engine = LLMEngine(engine_args_from(args))
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    engine = AsyncLLMEngine.launch(engine_args_from(args), max_queued_requests=args.max_queued_requests,
+                                   stream_interval=args.stream_interval)
     app = build_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.disable_access_log, lifespan="on",
@@ -282,6 +291,21 @@ def run_server(args: argparse.Namespace) -> int:
                             # ends the remaining streams cleanly, given this grace to flush them.
                             timeout_graceful_shutdown=args.drain_timeout + _DRAIN_GRACE_S)
     server = _make_server(config, app.state.begin_drain)
-    logger.info("serving %s on http://%s:%d (chat page at /)", engine.model_name, args.host, args.port)
-    server.run()
+    core_lost = False
+
+    def on_core_lost() -> None:
+        nonlocal core_lost
+        core_lost = True
+        loop = asyncio.get_running_loop()
+        loop.call_later(_CORE_LOST_GRACE_S, setattr, server, "should_exit", True)
+    engine.on_core_lost = on_core_lost
+    logger.info("serving %s on http://%s:%d (chat page at /)", engine.engine.model_name, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        if not engine.closed:  # the server never started (port in use): stop the core too
+            asyncio.run(engine.shutdown())
+    if core_lost:
+        logger.error("the engine core process is gone; exiting with status 1")
+        return 1
     return 0 if server.started else 1

@@ -1,0 +1,208 @@
+"""The engine core: scheduler + KV-cache manager + model runner, stepping on plain-data requests.
+
+It knows token ids only: no tokenizer, no text, no streams. It takes `EngineCoreRequest`s and
+aborts, and each `step()` returns what every sequence gained (`EngineCoreOutput`s). The front (see
+llm_engine.py and async_engine.py) turns those into text. The same class runs in two placements:
+called directly by the offline engine, or driven by `core_loop.run_core_loop` on a thread or in a
+process of its own (the server).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig,
+                               SchedulerConfig)
+from splitserve.core.kv_cache_manager import KVCacheManager
+from splitserve.core.scheduler import Scheduler
+from splitserve.engine.fault_injection import install_step_faults
+from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from splitserve.engine_args import EngineArgs
+from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
+from splitserve.models.registry import get_model_class
+from splitserve.models.resolve import ModelSource, resolve_model
+from splitserve.request import Request, RequestStatus
+from splitserve.worker.bytecode import start_bytecode_warmup
+from splitserve.worker.kernel_precompile import start_attention_precompile
+from splitserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# A step failure fails that step's requests; this many in a row with no good step between them means
+# the device or model is broken for good (a lost GPU fails every step), and the engine gives up.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
+_FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED,
+                  "error": RequestStatus.FINISHED_ERROR}
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run steps any more; the server should report itself unhealthy."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What both sides of the engine resolve from its arguments without building the model."""
+    source: ModelSource
+    config: EngineConfig
+    model_name: str
+
+
+def resolve_model_spec(args: EngineArgs) -> ModelSpec:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    source = resolve_model(args.model)
+    hf_config = load_hf_config(source)
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    context = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
+    max_model_len = args.max_model_len or context
+    eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
+    eos |= set(read_generation_eos(source))
+    arch, _ = get_model_class(hf_config.architectures)
+    backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+    config = EngineConfig(
+        model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
+                          tuple(sorted(eos))),
+        cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
+                          args.cpu_kv_cache_gib, args.enable_prefix_caching),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
+        parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
+        device=device, attention_backend=backend)
+    return ModelSpec(source, config, args.served_model_name or source.name)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, spec: ModelSpec | None = None):
+        spec = spec or resolve_model_spec(args)
+        config = spec.config
+        self.config = config
+        device, m = config.device, config.model
+        compiles = device.startswith("cuda") and not args.enforce_eager
+        # The compiler stack's Python sources and the attention kernels compile in forked children
+        # while the model is built; forked before any thread of ours starts.
+        bytecode = start_bytecode_warmup() if compiles else None
+        precompile = None
+        if compiles and config.attention_backend == "triton":
+            precompile = start_attention_precompile(
+                m.hf_config, m.dtype, args.block_size, args.max_num_batched_tokens, m.max_model_len,
+                config.compile.decode_graph_sizes(args.max_num_seqs))
+        try:
+            t0 = time.perf_counter()
+            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights)
+            logger.info("model built in %.1f s", time.perf_counter() - t0)
+            self.runner = ModelRunner(config, model)
+            self.num_blocks = self.runner.determine_num_blocks()
+            self.runner.allocate_kv_cache(self.num_blocks)
+            if bytecode is not None:
+                bytecode.wait(timeout=10.0)  # compiling the model imports what they compile
+            self.runner.setup_fast_path()
+        finally:
+            if precompile is not None:
+                precompile.finish()
+        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
+        self.model = model
+        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        self._inflight = None  # the launched step whose results are not processed yet
+        self._failed_steps_in_a_row = 0
+        self.num_received = 0
+        # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
+        # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
+        # them out of the collector's view (what start-up left as garbage stays: a little memory).
+        gc.freeze()
+        logger.info("engine core ready: %s on %s, %s, backend %s", m.architecture, device, m.dtype,
+                    config.attention_backend)
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.num_received += 1
+        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                           req.eos_token_ids, req.max_total_tokens, req.arrival_time,
+                                           mm_items=req.mm_items))
+
+    def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Ends sequences wherever they are and frees their blocks; unknown ids are ignored. The front
+        already knows how they end, so nothing is reported back."""
+        self.scheduler.finish_requests(request_ids, _FINISH_STATUS[reason])
+
+    def reset_inflight(self) -> None:
+        """Forgets the step in flight (after a failure that ended all of its requests)."""
+        self._inflight = None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_manager
+        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage(),
+                              kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions, self.num_received)
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedules and launches one step, then processes the results of the step before it.
+
+        With async scheduling the host work of step N+1 (scheduling, input layout, launch) overlaps
+        the device's work on step N: requests whose tokens from N are still pending are scheduled
+        with them as inputs, filled in on the device. A request that N ends (EOS, stop string) wastes
+        its slot in N+1, whose token is then discarded. Without it, each step is collected first."""
+        outputs: list[EngineCoreOutput] = []
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
+            outputs += self._process(inflight)
+            inflight = None
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            now = time.monotonic()
+            for request, _ in sched.scheduled:
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+            try:
+                launched = self.runner.launch(sched, inflight)
+            except Exception as exc:
+                outputs += self._fail_step(sched, exc)
+            else:
+                self.scheduler.advance(sched, launched.sample_requests)
+                self._inflight = launched
+        if inflight is not None:
+            outputs += self._process(inflight)
+        if self._inflight is not None and not self.async_scheduling:
+            outputs += self._process(self._inflight)
+            self._inflight = None
+        return outputs
+
+    def _fail_step(self, sched, exc: Exception) -> list[EngineCoreOutput]:
+        """A failed step fails its requests, not the engine (unless steps keep failing)."""
+        logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
+        failed = self.scheduler.finish_requests([r.request_id for r, _ in sched.scheduled],
+                                                RequestStatus.FINISHED_ERROR)
+        self._failed_steps_in_a_row += 1
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise EngineDeadError(f"{self._failed_steps_in_a_row} model steps failed in a row; "
+                                  f"last error: {exc}") from exc
+        return [EngineCoreOutput(r.request_id, [], finish_reason="error") for r in failed]
+
+    def _process(self, inflight) -> list[EngineCoreOutput]:
+        """Waits for a launched step's tokens and applies them: one output per sequence that got a
+        token (or that ended)."""
+        sched = inflight.sched
+        try:
+            result = self.runner.collect(inflight)
+        except Exception as exc:
+            return self._fail_step(sched, exc)
+        self._failed_steps_in_a_row = 0
+        outputs = []
+        for request in self.scheduler.update(sched, result.tokens):
+            lp = result.logprobs.get(request.request_id)
+            out = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
+                                   None if lp is None else [lp], request.status.finish_reason,
+                                   request.stop_reason, request.num_cached_tokens)
+            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
+                out.queue_time = request.first_scheduled_time - request.arrival_time
+            outputs.append(out)
+        return outputs

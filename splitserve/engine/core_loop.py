@@ -1,0 +1,144 @@
+"""The engine core's busy loop, and its two placements: a thread of the caller's process, or a process
+of its own (what `splitserve serve` runs, so that HTTP, tokenization and detokenization never share an
+interpreter with the scheduler and the model).
+
+Either way the loop talks to the front over two ZeroMQ sockets on an ipc:// address, one msgspec
+message per step each way: the front pushes `AddRequests` / `AbortRequests` / `Shutdown`, the loop
+pushes `EngineCoreOutputs`. The first message the loop sends is `CoreReady` (or the start-up error).
+
+The core process watches its parent: the kernel kills it when the parent dies (PR_SET_PDEATHSIG),
+and the loop also checks the parent's pid whenever it is idle, so no orphan ever holds the GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreReady, EngineCoreOutput,
+                                        EngineCoreOutputs, FrontToCore, SchedulerStats, Shutdown)
+
+logger = logging.getLogger(__name__)
+
+# How long an idle loop blocks on its input before it looks at its parent again.
+_IDLE_POLL_MS = 500
+# How long the loop waits for input when it has work but could not schedule any of it.
+_BACKOFF_MS = 5
+
+
+def connect_sockets(ctx: zmq.Context, input_addr: str, output_addr: str) -> tuple[zmq.Socket, zmq.Socket]:
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)  # flush the last outputs on exit
+    out.connect(output_addr)
+    return inp, out
+
+
+def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None = None) -> int:
+    """Runs until Shutdown (returns 0) or until the core declares itself dead (returns 1)."""
+    from splitserve.engine.core import EngineDeadError  # the core module imports torch; keep this one light
+
+    decoder = Codec(FrontToCore)
+    encoder = Codec(EngineCoreOutputs)
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    last_stats = None
+    backoff = False
+
+    def send(outputs: list[EngineCoreOutput], stats: SchedulerStats, dead: str | None = None) -> None:
+        nonlocal last_stats
+        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead)), copy=False)
+        last_stats = stats
+
+    while True:
+        busy = core.has_unfinished_requests()
+        timeout = (_BACKOFF_MS if backoff else 0) if busy else _IDLE_POLL_MS
+        stop = False
+        if poller.poll(timeout):
+            while True:  # everything that has arrived, in order (an abort after its add finds it)
+                try:
+                    msg = decoder.decode(inp.recv(zmq.NOBLOCK, copy=False).buffer)
+                except zmq.Again:
+                    break
+                if isinstance(msg, AddRequests):
+                    for req in msg.requests:
+                        core.add_request(req)
+                elif isinstance(msg, AbortRequests):
+                    core.abort_requests(msg.request_ids, msg.reason)
+                elif isinstance(msg, Shutdown):
+                    stop = True
+        elif not busy and parent_pid is not None and os.getppid() != parent_pid:
+            logger.error("the front process is gone; the engine core exits")
+            return 1
+        if stop:
+            return 0
+        backoff = False
+        outputs: list[EngineCoreOutput] = []
+        if core.has_unfinished_requests():
+            started = time.monotonic()
+            try:
+                outputs = core.step()
+            except EngineDeadError as e:
+                logger.exception("the engine core cannot go on")
+                ids = list(core.scheduler.requests)
+                core.abort_requests(ids, "error")
+                send([EngineCoreOutput(rid, [], finish_reason="error") for rid in ids], core.stats(), dead=str(e))
+                return 1
+            except Exception as e:
+                # The step failed outside the model call (which fails only its own batch): fail
+                # everything in flight and keep serving new requests.
+                logger.exception("engine step failed; failing all in-flight requests")
+                ids = list(core.scheduler.requests)
+                core.abort_requests(ids, "error")
+                core.reset_inflight()
+                outputs = [EngineCoreOutput(rid, [], finish_reason="error", stop_reason=f"engine step failed: {e}")
+                           for rid in ids]
+            # A step that produced nothing and took no time scheduled nothing (work it cannot admit
+            # yet): wait a little for input instead of spinning on it.
+            backoff = not outputs and time.monotonic() - started < 1e-3
+        stats = core.stats()
+        if outputs or stats != last_stats:
+            send(outputs, stats)
+
+
+# -- the process placement ----------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the idle check of the parent pid remains
+        pass
+
+
+def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
+    """Entry point of the engine core process (multiprocessing, spawn)."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    # SIGINT goes to the whole process group on Ctrl-C; the front decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    ctx = zmq.Context()
+    inp, out = connect_sockets(ctx, input_addr, output_addr)
+    ready = Codec(CoreReady)
+    try:
+        from splitserve.engine.core import EngineCore
+        core = EngineCore(args)
+    except BaseException as e:
+        logger.exception("engine core start-up failed")
+        out.send(ready.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")))
+        out.close(linger=2000)
+        os._exit(1)
+    out.send(ready.encode(CoreReady(core.num_blocks, core.config.cache.block_size)))
+    code = run_core_loop(core, inp, out, parent_pid)
+    out.close(linger=2000)
+    inp.close(linger=0)
+    os._exit(code)  # skip interpreter teardown (CUDA, compiled graphs): nothing is left to save

@@ -1,0 +1,129 @@
+"""The engine's front: what runs beside the user rather than beside the model.
+
+Tokenizer, prompt validation, turning a user request into the core's plain-data requests (n > 1 fans
+out into n sequences), and the output processor that turns the core's tokens back into text. The
+offline engine and the server's async engine both hold one; neither needs the model's weights (a
+vision-language model's processor reads its shapes from a weightless copy on the meta device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import torch
+
+from splitserve.engine.core import ModelSpec
+from splitserve.engine.messages import EngineCoreRequest
+from splitserve.engine.output_processor import OutputProcessor, RequestState
+from splitserve.models.resolve import load_tokenizer
+from splitserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
+    try:
+        return load_tokenizer(spec.source)
+    except (OSError, ValueError):
+        if not random_weights:
+            raise
+        # A bare config for performance runs: any tokenizer will do for token-id prompts.
+        logger.warning("no tokenizer next to %s; using the default model's", spec.source.path)
+        return load_tokenizer(None)
+
+
+def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
+    """The image processor of a vision-language model (None for text-only). It needs the model's
+    image token and feature counts, not its weights: without a model at hand a meta-device copy serves."""
+    from splitserve.models.registry import get_model_class
+    from splitserve.multimodal.processor import build_mm_processor
+    if model is None:
+        _, cls = get_model_class(spec.config.model.hf_config.architectures)
+        if not getattr(cls, "is_multimodal", False):
+            return None
+        with torch.device("meta"):
+            model = cls(spec.config.model.hf_config)
+    return build_mm_processor(model, spec.source, tokenizer)
+
+
+class EngineFront:
+    def __init__(self, spec: ModelSpec, tokenizer, num_blocks: int, block_size: int, mm_processor=None,
+                 stream_interval: int = 1):
+        self.source = spec.source
+        self.model_name = spec.model_name
+        self.tokenizer = tokenizer
+        eos = set(spec.config.model.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.config = dataclasses.replace(
+            spec.config, model=dataclasses.replace(spec.config.model, eos_token_ids=tuple(sorted(eos))))
+        self.mm_processor = mm_processor
+        self.kv_capacity_tokens = num_blocks * block_size
+        self.output_processor = OutputProcessor(tokenizer, stream_interval)
+        self._ids = itertools.count()
+
+    @property
+    def states(self) -> dict[str, RequestState]:
+        return self.output_processor.states
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if hasattr(prompt, "mm_items"):
+            return prompt  # a MultiModalPrompt: expanded ids that carry their images along
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Checks a tokenized request against the model and cache; returns its total-token cap."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        limit = self.config.model.max_model_len
+        n = len(prompt_ids)  # the length first: a huge prompt is turned away before any per-token work
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens, but the model's context is {limit} tokens "
+                             f"(max_model_len), leaving no room for output")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                             f"tokens exceeds the model's context of {limit} tokens")
+        total = limit if params.max_tokens is None else n + params.max_tokens
+        need = n + (params.max_tokens or 1)  # without max_tokens, output is capped by the cache instead
+        if need > self.kv_capacity_tokens:
+            raise ValueError(f"request needs {need} tokens of KV cache, but the cache holds only "
+                             f"{self.kv_capacity_tokens} tokens")
+        return min(total, self.kv_capacity_tokens)
+
+    def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, stream: bool = True,
+                    prompt_ids: list[int] | None = None) -> tuple[str, list[EngineCoreRequest]]:
+        """Tokenizes and validates a request, registers it with the output processor, and returns its
+        id with the core requests of its sequences (one, or n for parallel samples)."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_ids is None:
+            prompt_ids = self.tokenize_prompt(prompt)
+            total = self.validate(prompt_ids, params)
+        else:  # tokenized and validated by the caller
+            total = self._cap(prompt_ids, params)
+        arrival = arrival_time or time.monotonic()
+        eos = self.config.model.eos_token_ids
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
+                             eos, arrival, self.tokenizer, stream)
+        self.output_processor.add_request(state)
+        mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
+        return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items)
+                            for c in state.children]
+
+    def _cap(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        limit = self.config.model.max_model_len
+        total = limit if params.max_tokens is None else len(prompt_ids) + params.max_tokens
+        return min(total, self.kv_capacity_tokens)

@@ -1,0 +1,122 @@
+"""What crosses between the engine's front (tokenizer, detokenizer, streams) and its core (scheduler,
+KV manager, model runner): plain data, encoded with msgspec. Both placements of the core, on a thread
+of this process or in a process of its own, exchange exactly these messages, one per step each way.
+
+Front -> core: `EngineCoreRequest` (a new sequence: its token ids and sampling parameters, once) and
+`AbortRequests` (ids to end: a client that left, or a stop string the front's detokenizer found).
+Core -> front: `EngineCoreOutputs`, one per step: each sequence's new token (with logprobs), its
+finish reason once it ends, and the scheduler's counters.
+"""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+from splitserve.multimodal.inputs import ImageItem
+from splitserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_total_tokens: int          # prompt + output cap (the model's context, or prompt + max_tokens)
+    arrival_time: float
+    mm_items: tuple[ImageItem, ...] = ()
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag=True):
+    request_ids: list[str]
+    # "abort" (the client went away, the server drains) or "stop" (a stop string ended it)
+    reason: str = "abort"
+
+
+class AddRequests(msgspec.Struct, array_like=True, tag=True):
+    requests: list[EngineCoreRequest]
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: {token_id: logprob}, the sampled token first, then the top k.
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
+    queue_time: float | None = None    # seconds from arrival to first scheduling (first output only)
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    num_received: int = 0   # sequences the core has taken in (the front counts those it sent)
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float                 # time.monotonic() when the step's tokens were known
+    dead: str | None = None          # the core cannot go on: why (the last message it sends)
+
+
+class CoreReady(msgspec.Struct, array_like=True, tag=True):
+    """The core's first message: it is built, and what the front needs to validate requests."""
+    num_blocks: int
+    block_size: int
+    error: str | None = None         # start-up failed: the message of the exception
+
+
+FrontToCore = AddRequests | AbortRequests | Shutdown
+CoreToFront = EngineCoreOutputs | CoreReady
+
+# Image tensors travel as msgpack extensions: dtype name, shape, raw bytes.
+_TENSOR_EXT = 1
+
+
+def _enc_hook(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return msgspec.msgpack.Ext(_TENSOR_EXT, msgspec.msgpack.encode((str(t.dtype).removeprefix("torch."),
+                                                                       list(t.shape), raw)))
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to the engine core")
+
+
+def _ext_hook(code: int, data: memoryview):
+    if code == _TENSOR_EXT:
+        dtype, shape, raw = msgspec.msgpack.decode(data)
+        dtype = getattr(torch, dtype)
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(np.frombuffer(bytearray(raw), dtype=np.uint8)).view(dtype).reshape(shape)
+    raise ValueError(f"unknown msgpack extension {code}")
+
+
+def _dec_hook(type_, obj):
+    if type_ is torch.Tensor and isinstance(obj, torch.Tensor):
+        return obj
+    raise NotImplementedError(f"cannot decode {type_}")
+
+
+class Codec:
+    """msgpack encoder/decoder pair for one direction of the seam."""
+
+    def __init__(self, decode_type):
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self.decoder = msgspec.msgpack.Decoder(decode_type, ext_hook=_ext_hook, dec_hook=_dec_hook)
+
+    def encode(self, msg) -> bytes:
+        return self.encoder.encode(msg)
+
+    def decode(self, data):
+        return self.decoder.decode(data)
