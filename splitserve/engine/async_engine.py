@@ -85,6 +85,10 @@ class _CorePlacement:
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.setsockopt(zmq.LINGER, 0)
+        # Never block on a busy core (no high-water mark); a send waits only while the core has not
+        # connected yet (a core thread just started), and never longer than this.
+        self.input.setsockopt(zmq.SNDHWM, 0)
+        self.input.setsockopt(zmq.SNDTIMEO, 5000)
         self.input.bind(self.input_addr)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
@@ -272,10 +276,12 @@ class AsyncLLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def _send(self, msg) -> None:
+        if self._dead is not None and not self._placement.alive():
+            return  # nobody to tell
         data = self._to_core.encode(msg)
         with self._send_lock:
             try:
-                self._placement.input.send(data, zmq.NOBLOCK)
+                self._placement.input.send(data)
             except (zmq.Again, zmq.ZMQError):  # the core is gone; its loss is reported elsewhere
                 logger.warning("could not send %s to the engine core", type(msg).__name__)
 
