@@ -24,8 +24,8 @@ from splitserve.models.resolve import load_tokenizer, resolve_model
 from splitserve.models.text_config import TextConfig
 from splitserve.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
-from splitserve.worker.bytecode import start_bytecode_warmup
-from splitserve.worker.kernel_precompile import start_attention_precompile
+from splitserve.startup.bytecode import start_bytecode_warmup
+from splitserve.startup.kernel_precompile import start_attention_precompile
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
