@@ -2,6 +2,11 @@
 
 A backend stores the step's new K/V into the paged cache and attends every query token over its own
 sequence's context, for all sequences of the step at once (ragged layout, mixed prefill + decode).
+Everything that depends on how a backend works lives behind this interface, next to its forward:
+the metadata it needs (`build_metadata`), what a full CUDA graph of a decode step needs
+(`decode_graph_state` / `capture_metadata` / `prepare_replay`), and which kernels it compiles at
+start-up (`precompile_launches`). The runner, the graphs and the start-up machinery only call these.
+This module defines the interface; attention/registry.py picks a backend by name.
 
 Layouts (shared by every backend and kernel):
   q            [num_tokens, num_heads, head_dim]
@@ -14,6 +19,7 @@ Layouts (shared by every backend and kernel):
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +45,41 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass
+class DecodeGraphState:
+    """The static metadata buffers every full decode graph reads (max_num_seqs rows; the graph of B
+    sequences reads the first B). Their addresses are baked into the graphs, so replays refill them
+    in place. A backend whose graphs need more keeps it in a subclass."""
+    slot_mapping: torch.Tensor      # [N] int64, -1: a padding row stores nothing
+    query_start_loc: torch.Tensor   # [N+1] int32, 0..N: one query token per sequence, never rewritten
+    seq_lens: torch.Tensor          # [N] int32, 0 for padding rows
+    block_tables: torch.Tensor      # [N, max_blocks_per_seq] int32
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class AttentionKernelSpec:
+    """Everything that decides which kernel variants the engine launches at start-up, in plain data
+    (it crosses into the precompile children)."""
+    backend: str                         # registry name
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    budget: int                          # max_num_batched_tokens
+    max_model_len: int
+    decode_batch_sizes: tuple[int, ...]  # the decode graphs' batch sizes
+    num_sms: int                         # the GPU's SM count (what launch heuristics see)
+    capability: int                      # e.g. 90 for sm_90
+    rot_dim: int                         # rotary width (a backend may apply it in its KV store); 0: none
+
+
 class AttentionBackend:
     name = "base"
+    # Whether the backend's kernels compile on their first launch, so that start-up should compile
+    # its precompile_launches in child processes (startup/kernel_precompile.py).
+    jit_kernels = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
@@ -49,12 +88,55 @@ class AttentionBackend:
         k are first rotated at `positions`: the model hands them over straight from its projection."""
         raise NotImplementedError
 
+    # -- metadata ------------------------------------------------------------------------------------
+    def build_metadata(self, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
+                       query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> AttentionMetadata:
+        """This backend's metadata for a step's ragged layout (device tensors plus host copies)."""
+        return AttentionMetadata(slot_mapping, query_start_loc, seq_lens, block_tables, max_query_len,
+                                 max_seq_len, query_start_loc_cpu, seq_lens_cpu)
 
-def get_backend(name: str) -> AttentionBackend:
-    if name == "torch_ref":
-        from splitserve.attention.torch_ref import TorchRefBackend
-        return TorchRefBackend()
-    if name == "triton":
-        from splitserve.attention.triton_backend import TritonBackend
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch_ref' or 'triton'")
+    # -- full CUDA graphs of pure-decode steps -------------------------------------------------------
+    def decode_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                           num_kv_heads: int, device: torch.device) -> DecodeGraphState:
+        """Allocates the static metadata buffers of decode graphs of up to max_num_seqs sequences
+        (the caller decides the tensors' mode, e.g. inference_mode)."""
+        n = max_num_seqs
+        return DecodeGraphState(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=device),
+            seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+            max_model_len=max_model_len)
+
+    def capture_metadata(self, state: DecodeGraphState, num_seqs: int) -> AttentionMetadata:
+        """The metadata the decode graph of num_seqs sequences is captured with: views of the state's
+        buffers, one query token each. The lengths are known only on the device when the graph
+        replays, so max_seq_len is the model's limit and the host copies are placeholders."""
+        b = num_seqs
+        return AttentionMetadata(
+            slot_mapping=state.slot_mapping[:b], query_start_loc=state.query_start_loc[:b + 1],
+            seq_lens=state.seq_lens[:b], block_tables=state.block_tables[:b], max_query_len=1,
+            max_seq_len=state.max_model_len, query_start_loc_cpu=torch.arange(b + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.zeros(b, dtype=torch.int32))
+
+    def prepare_replay(self, state: DecodeGraphState, meta: AttentionMetadata, padded: int) -> None:
+        """Copies a pure-decode step's metadata (meta.num_seqs sequences, device tensors) into the
+        state's buffers before the graph of `padded` sequences replays. Padding rows store nothing
+        (slot -1) and attend over nothing (length 0); their outputs are ignored."""
+        n = meta.num_seqs
+        state.slot_mapping[:n].copy_(meta.slot_mapping)
+        state.seq_lens[:n].copy_(meta.seq_lens)
+        state.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if padded > n:
+            state.slot_mapping[n:padded].fill_(-1)
+            state.seq_lens[n:padded].fill_(0)
+
+    # -- start-up precompile -------------------------------------------------------------------------
+    def precompile_launches(self, spec: AttentionKernelSpec, warm_up: Sequence[AttentionMetadata],
+                            device: torch.device) -> list[Callable[[], object]]:
+        """One call per distinct kernel variant the engine's start-up launches: the warm-up steps
+        (`warm_up`, their metadata on `device`) and the decode graphs (spec.decode_batch_sizes), on
+        tensors of `device` laid out like the engine's. startup/kernel_precompile.py runs them in
+        children with Triton in compile-only mode, on meta tensors. Empty: nothing to precompile."""
+        return []

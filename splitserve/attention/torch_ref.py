@@ -70,6 +70,8 @@ def decode_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
 
 
 class TorchRefBackend(AttentionBackend):
+    """Metadata and decode-graph hooks are the base class's (plain AttentionMetadata; the batched
+    decode path reads only device tensors, so it runs inside a graph); nothing to precompile."""
     name = "torch_ref"
 
     def forward(self, q, k, v, kv_cache, meta, scale, positions=None, cos_sin=None):

@@ -26,8 +26,8 @@ from splitserve.models.loader import load_hf_config, load_model, read_generation
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, resolve_model
 from splitserve.request import Request, RequestStatus
-from splitserve.worker.bytecode import start_bytecode_warmup
-from splitserve.worker.kernel_precompile import start_attention_precompile
+from splitserve.startup.bytecode import start_bytecode_warmup
+from splitserve.startup.kernel_precompile import start_attention_precompile
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,10 @@ class EngineCore:
         # while the model is built; forked before any thread of ours starts.
         bytecode = start_bytecode_warmup() if compiles else None
         precompile = None
-        if compiles and config.attention_backend == "triton":
+        if compiles:  # None for a backend that compiles no kernels on first launch
             precompile = start_attention_precompile(
                 m.hf_config, m.dtype, args.block_size, args.max_num_batched_tokens, m.max_model_len,
-                config.compile.decode_graph_sizes(args.max_num_seqs))
+                config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend)
         try:
             t0 = time.perf_counter()
             _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights)

@@ -19,55 +19,43 @@ import time
 
 import torch
 
-from splitserve.attention.backend import AttentionMetadata
+from splitserve.attention.backend import AttentionBackend, AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
 from splitserve.models.llama import start_residual
 
 logger = logging.getLogger(__name__)
 
 
-def decode_graph_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          block_tables: torch.Tensor, max_model_len: int) -> AttentionMetadata:
-    """The metadata a decode graph of len(seq_lens) sequences is captured with: one query token each,
-    lengths known only on the device (so max_seq_len is the model's limit). kernel_precompile lays
-    its launches out the same way."""
-    bs = seq_lens.shape[0]
-    return AttentionMetadata(
-        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-        max_query_len=1, max_seq_len=max_model_len, query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
-        seq_lens_cpu=torch.zeros(bs, dtype=torch.int32))
-
-
 class DecodeGraphs:
-    def __init__(self, model, backend_factory, sizes: list[int], max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device):
+    """The attention metadata's static buffers, how a graph's capture-time metadata is built from
+    them and how they are refilled before a replay belong to the backend (decode_graph_state,
+    capture_metadata, prepare_replay); the model's inputs and the logits are kept here.
+
+    With use_graphs=False, run() refills the same buffers and runs the capture-time forward eagerly
+    instead of replaying (CPU tests of the plumbing: the backend's hooks, padding, the logits buffer)."""
+
+    def __init__(self, model, backend: AttentionBackend, sizes: list[int], max_blocks_per_seq: int,
+                 max_model_len: int, num_kv_heads: int, device: torch.device, use_graphs: bool = True):
         self.model = model
+        self.backend = backend
+        self.use_graphs = use_graphs
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
-        self.max_model_len = max_model_len
         n, dev = self.max_size, device
         # Static inputs are inference tensors like every other input of the compiled layers: a normal
         # tensor has another dispatch key set, and dynamo would compile the layers again for it.
         with torch.inference_mode():
             self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
             self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-            self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-            self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.backend_factory = backend_factory  # batch size -> backend with a fixed decode grid
+            self.attn_state = backend.decode_graph_state(n, max_blocks_per_seq, max_model_len, num_kv_heads, dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits here: one [max_size, vocab] buffer in the model's dtype
         # instead of one per graph (together ~1 GB at 8B/128k vocab for sizes up to 512, taken from
         # the KV cache).
         self.logits: torch.Tensor | None = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return decode_graph_metadata(self.slot_mapping[:bs], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
-                                     self.block_tables[:bs], self.max_model_len)
-
-    def _forward(self, bs: int) -> torch.Tensor:
-        ctx = ForwardContext(self._meta(bs), self.backend_factory(bs))
+    def _forward(self, bs: int) -> None:
+        ctx = ForwardContext(self.backend.capture_metadata(self.attn_state, bs), self.backend)
         with forward_context(ctx):
             hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if self.logits is None:  # the first (warm-up, uncaptured) run: learn the vocabulary size
@@ -100,20 +88,18 @@ class DecodeGraphs:
                 return bs
         return None
 
-    def run(self, num_seqs: int, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
-        """Copies the step's inputs (device tensors of num_seqs rows) into the static buffers, replays,
-        and returns the logits of the real rows."""
+    def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Copies the step's inputs (device tensors of num_seqs rows, one token each) into the static
+        buffers, replays, and returns the logits of the real rows."""
         bs = self.padded_size(num_seqs)
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(slot_mapping)
-        self.seq_lens[:num_seqs].copy_(seq_lens)
-        width = block_tables.shape[1]
-        self.block_tables[:num_seqs, :width].copy_(block_tables)
-        if bs > num_seqs:
-            self.slot_mapping[num_seqs:bs].fill_(-1)
-            self.seq_lens[num_seqs:bs].fill_(0)
-        self.graphs[bs].replay()
+        self.backend.prepare_replay(self.attn_state, meta, bs)
+        if self.use_graphs:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
         return self.logits[:num_seqs]
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitserve.attention.backend import AttentionMetadata, get_backend
+from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
+from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig
 from splitserve.core.scheduler import SchedulerOutput
 from splitserve.layers.sampler import Sampler
@@ -185,17 +186,9 @@ class ModelRunner:
         start = time.perf_counter()
         compile_decoder_layers(self.model)
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
-        if self.backend.name == "triton":
-            from splitserve.attention.ops.paged_attention import default_num_splits
-            from splitserve.attention.triton_backend import TritonBackend
-            m = self.config.model
-            backends = {bs: TritonBackend(default_num_splits(bs, m.num_kv_heads, m.max_model_len, self.device))
-                        for bs in sizes}
-            factory = backends.__getitem__
-        else:
-            factory = lambda bs: self.backend  # noqa: E731
-        self.graphs = DecodeGraphs(self.model, factory, sizes, self.max_blocks_per_seq,
-                                   self.config.model.max_model_len, self.device)
+        m = self.config.model
+        self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
+                                   m.num_kv_heads, self.device)
         self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -290,8 +283,7 @@ class ModelRunner:
         if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
-            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta.slot_mapping,
-                                   meta.seq_lens, meta.block_tables)
+            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta)
         ctx = ForwardContext(meta, self.backend)
         if (self.piecewise is not None and batch.inputs_embeds is None
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):

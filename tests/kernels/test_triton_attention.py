@@ -53,7 +53,7 @@ from splitserve.attention.ops.paged_attention import (  # noqa: E402
     default_num_splits, paged_decode_attention, ragged_paged_attention)
 from splitserve.attention.ops.store_kv import store_kv  # noqa: E402
 from splitserve.attention.torch_ref import TorchRefBackend, paged_attention_ref, store_kv_ref  # noqa: E402
-from splitserve.attention.triton_backend import TritonBackend  # noqa: E402
+from splitserve.attention.triton_backend import TritonBackend, TritonMetadata  # noqa: E402
 from splitserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -282,10 +282,44 @@ def test_backend_matches_reference(scenario, dtype):
     rotary = RotaryEmbedding(head_dim, 256, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
     positions = torch.randint(0, 256, (q.shape[0],), generator=g).to(DEVICE)
     ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125, positions, rotary.cos_sin)
-    backend = TritonBackend(decode_num_splits=2 if scenario == "decode_only" else None)
+    backend = TritonBackend()
     assert backend.name == "triton"
+    if scenario == "decode_only":  # a fixed split count, as a captured decode graph's metadata has
+        meta = TritonMetadata(**vars(meta), decode_num_splits=2)
     out = backend.forward(q, k, v, cache, meta, 0.125, positions, rotary.cos_sin)
     torch.testing.assert_close(cache, ref_cache, atol=1e-5 if dtype == torch.float32 else 0,
                                rtol=1e-5 if dtype == torch.float32 else 2 ** -7)  # same slots, same (rotated) K/V
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_decode_graph_hooks_match_reference():
+    """A decode graph's attention as the backend's hooks set it up: a step of 3 sequences refilled
+    (prepare_replay) into static buffers of 8 rows that hold a previous, longer step, then attended
+    with the metadata of the graph of 4 (capture_metadata: views of the buffers, max_seq_len at the
+    model's limit, a fixed split count). Real rows match the reference; the padding row stores
+    nothing and yields zeros."""
+    seqs = [(150, 1), (9, 1), (40, 1)]
+    q, cache, meta = make_batch(seqs, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32, block_size=16, seed=4)
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(3, 2, 64, generator=g).to(DEVICE)
+    v = torch.randn(3, 2, 64, generator=g).to(DEVICE)
+    ref_cache = cache.clone()
+    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    backend = TritonBackend()
+    state = backend.decode_graph_state(8, meta.block_tables.shape[1] + 3, 1024, 2, torch.device(DEVICE))
+    # What a previous step of 5 sequences left there, and stale block ids past this step's table width.
+    state.slot_mapping[:5] = 0
+    state.seq_lens[:5] = 77
+    state.block_tables.fill_(3)
+    backend.prepare_replay(state, meta, 4)
+    captured = backend.capture_metadata(state, 4)
+    assert isinstance(captured, TritonMetadata) and captured.max_seq_len == 1024
+    assert captured.decode_num_splits == default_num_splits(4, 2, 1024, torch.device(DEVICE)) > 1
+    q_pad = torch.cat([q, torch.randn(1, *q.shape[1:], generator=g).to(DEVICE)])
+    k_pad = torch.cat([k, torch.randn(1, 2, 64, generator=g).to(DEVICE)])
+    v_pad = torch.cat([v, torch.randn(1, 2, 64, generator=g).to(DEVICE)])
+    out = backend.forward(q_pad, k_pad, v_pad, cache, captured, 0.125)
+    torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)  # the same slots written, nothing for padding
+    torch.testing.assert_close(out[:3], ref, **TOL[torch.float32])
+    assert torch.all(out[3] == 0)

@@ -106,6 +106,26 @@ def test_piecewise_segments_give_the_same_tokens(model_dir, baseline):
     assert llm.engine.kv_manager.pool.is_whole()
 
 
+def test_decode_graph_path_gives_the_same_tokens(model_dir, baseline):
+    # The full decode-graph path, run without graphs on CPU: the backend's static metadata buffers,
+    # its capture-time metadata (lengths only on the device, max_seq_len at the model's limit) and
+    # its refill before each "replay", padding steps up to the graph sizes.
+    from splitserve.worker.cuda_graphs import DecodeGraphs
+    llm = LLM(model_dir, num_blocks=256, enable_prefix_caching=False, max_num_seqs=3)
+    runner = llm.engine.runner
+    m = runner.config.model
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, [2, 4, 16], runner.max_blocks_per_seq,
+                                 m.max_model_len, m.num_kv_heads, runner.device, use_graphs=False)
+    calls = []
+    run_graph = runner.graphs.run
+    runner.graphs.run = lambda num_seqs, *a: calls.append(num_seqs) or run_graph(num_seqs, *a)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts_with_shared_prefixes(), params, use_tqdm=False)]
+    assert tokens == baseline
+    assert {1, 3} <= set(calls)  # steps padded to 2 and to 4
+    assert llm.engine.kv_manager.pool.is_whole()
+
+
 @pytest.mark.parametrize("engine_kwargs", [
     dict(num_blocks=256),                                                    # decode steps overlap
     dict(num_blocks=20, block_size=8, max_num_batched_tokens=13, max_num_seqs=5),  # + chunks, preemption

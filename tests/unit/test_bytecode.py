@@ -1,4 +1,4 @@
-"""worker/bytecode.py: children byte-compile a package's sources into a cache directory, and this
+"""startup/bytecode.py: children byte-compile a package's sources into a cache directory, and this
 process's imports then load that bytecode instead of compiling the sources."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ SCRIPT = r"""
 import os, sys
 site, cache = sys.argv[1], sys.argv[2]
 sys.path.insert(0, site)
-from splitserve.worker.bytecode import start_bytecode_warmup
+from splitserve.startup.bytecode import start_bytecode_warmup
 warm = start_bytecode_warmup(site=site, cache_dir=cache, packages=("pkg_a",))
 warm.wait(timeout=60)
 print("codes", [p.exitcode for p in warm.procs], "files", warm.num_files)
@@ -48,7 +48,7 @@ def test_environments_with_bytecode_are_left_alone(tmp_path):
     (pkg / "__init__.py").write_text("")
     import py_compile
     py_compile.compile(str(pkg / "__init__.py"))  # bytecode next to the source, as pip installs it
-    script = ("import sys; from splitserve.worker.bytecode import start_bytecode_warmup; "
+    script = ("import sys; from splitserve.startup.bytecode import start_bytecode_warmup; "
               f"print(start_bytecode_warmup(site={str(site)!r}, cache_dir={str(tmp_path / 'c')!r}, packages=('pkg_a',)), "
               "sys.pycache_prefix)")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -60,7 +60,7 @@ def test_environments_with_bytecode_are_left_alone(tmp_path):
 def test_no_fork_leaves_imports_as_they_were(tmp_path, monkeypatch):
     import multiprocessing
 
-    from splitserve.worker import bytecode
+    from splitserve.startup import bytecode
     site = tmp_path / "site"
     (site / "pkg_b").mkdir(parents=True)
     (site / "pkg_b" / "__init__.py").write_text("")

@@ -1,4 +1,4 @@
-"""The attention-kernel precompile (worker/kernel_precompile.py) on CPU.
+"""The attention-kernel precompile (startup/kernel_precompile.py) on CPU.
 
 Children compile the engine's start-up attention launches from meta tensors into Triton's on-disk
 cache for an sm_90 GPU (Triton ships ptxas, so no GPU is needed to compile). The engine later
@@ -18,11 +18,12 @@ pytest.importorskip("triton")
 SCRIPT = r"""
 import sys, torch
 from triton import knobs
-from splitserve.worker import kernel_precompile as kp
+from splitserve.startup import kernel_precompile as kp
 dtype = getattr(torch, sys.argv[2])
 # A GQA shape (8 heads over 2 KV heads, head_dim 64), a 512-token budget, three decode graph sizes
-# with 8, 4 and 1 splits: every kernel and variant the engine launches at start-up.
-spec = kp.AttentionKernelSpec(8, 2, 64, dtype, 16, 512, 4096, ((2, 8), (4, 4), (64, 1)), 132, 90, 64)
+# (16, 16 and 4 splits on 132 SMs; the warm-up's decode step has none): every kernel and variant the
+# engine launches at start-up.
+spec = kp.AttentionKernelSpec("triton", 8, 2, 64, dtype, 16, 512, 4096, (2, 4, 64), 132, 90, 64)
 if sys.argv[1] == "children":
     pre = kp.AttentionPrecompile(spec, num_workers=2)
     for p in pre.procs:

@@ -328,13 +328,17 @@ def _num_sms(device_index: int) -> int:
     return 132  # H100 SXM; only reached on CPU (interpreter), where it just picks a split count
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None) -> int:
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None,
+                       num_sms: int | None = None) -> int:
     """Split count for the decode kernel: enough (seq, head, split) programs to fill the GPU about
     twice over, but never slices shorter than 256 positions (the merge would cost more than it
     saves), capped at 32. Rounded to a power of two so a graph captured per batch size sees few
-    distinct values."""
-    idx = device.index if device is not None and device.type == "cuda" and device.index is not None else 0
-    want = triton.cdiv(2 * _num_sms(idx), max(1, num_seqs * num_kv_heads))
+    distinct values. num_sms: the GPU's SM count when known without asking CUDA (the precompile
+    children); otherwise that of `device`."""
+    if num_sms is None:
+        cuda_index = device is not None and device.type == "cuda" and device.index is not None
+        num_sms = _num_sms(device.index if cuda_index else 0)
+    want = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     by_len = triton.cdiv(max(1, max_seq_len), 256)
     n = max(1, min(want, by_len, MAX_SPLITS))
     return 1 << (n - 1).bit_length() if n & (n - 1) else n

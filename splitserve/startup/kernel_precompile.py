@@ -1,4 +1,4 @@
-"""Compiles the Triton attention kernels in child processes while the engine builds its model.
+"""Compiles the attention backend's Triton kernels in child processes while the engine builds its model.
 
 Triton compiles a kernel on its first launch, in the launching process, holding the GIL: on the
 8B config the warm-up and decode-graph capture compiled ten attention kernel variants and their C
@@ -7,11 +7,14 @@ every compiled kernel and launcher in its on-disk cache (TRITON_CACHE_DIR), keye
 source, its specialisation (argument dtypes, alignment, constexprs) and the compile options.
 
 So at engine start, before the model is built, a few forked children run the engine's own attention
-launches (the warm-up layouts and every decode-graph batch size) through the Triton backend on
-`meta` tensors of the same shapes, strides and dtypes, with Triton switched to compile-only: each
-launch compiles its kernel and launcher into the cache and runs nothing. The children never touch
-CUDA (a stand-in driver tells Triton the GPU's architecture), so forking after the parent has
-initialised CUDA is safe. When the parent later launches the same kernels, Triton finds them on disk.
+launches on `meta` tensors of the same shapes, strides and dtypes, with Triton switched to
+compile-only: each launch compiles its kernel and launcher into the cache and runs nothing. Which
+launches those are is the backend's knowledge (AttentionBackend.precompile_launches: the KV store,
+the warm-up steps of model_runner.warm_up_layouts, every decode-graph batch size); this module only
+forks, switches Triton to compile-only and shares the launches out. The children never touch CUDA
+(a stand-in driver tells Triton the GPU's architecture, the spec its SM count), so forking after the
+parent has initialised CUDA is safe. When the parent later launches the same kernels, Triton finds
+them on disk.
 
 Nothing depends on the children: if one fails, is slow, or the cache is off, the parent compiles
 that kernel itself as before. tests/unit/test_kernel_precompile.py checks on CPU that kernels
@@ -25,63 +28,22 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
+
+from splitserve.attention.backend import AttentionKernelSpec
+from splitserve.attention.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AttentionKernelSpec:
-    """Everything that decides which attention kernel variants the engine will launch."""
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_size: int
-    budget: int                                 # max_num_batched_tokens
-    max_model_len: int
-    decode_splits: tuple[tuple[int, int], ...]  # (batch size, split count) of each decode graph
-    num_sms: int                                # what the split-count heuristic sees
-    capability: int                             # e.g. 90 for sm_90
-    rot_dim: int                                # rotary width (the KV store applies it); 0: none
-
-
-def attention_launches(spec: AttentionKernelSpec, device: torch.device = torch.device("meta")):
-    """Yields (backend, q, kv_cache, meta) for each distinct attention kernel variant the engine's
-    start-up launches: the warm-up layouts (model_runner.warm_up_layouts) and the decode graphs'
-    batch sizes, on tensors laid out like the engine's (meta tensors: no memory, same strides).
-    Launches whose compile-time choices repeat an earlier one's are left out."""
-    from splitserve.attention.ops.paged_attention import default_num_splits, ragged_variant
-    from splitserve.attention.triton_backend import TritonBackend
-    from splitserve.worker.cuda_graphs import decode_graph_metadata
+def precompile_launches(spec: AttentionKernelSpec, device: torch.device = torch.device("meta")):
+    """The backend's start-up launches for this spec, the warm-up steps' metadata laid out exactly as
+    the engine's warm-up lays it out (model_runner.warm_up_batch)."""
     from splitserve.worker.model_runner import warm_up_batch, warm_up_layouts
-
-    cache = torch.empty(1, 2, spec.block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
-    max_blocks = -(-spec.max_model_len // spec.block_size)
-    seen = set()
-
-    def q(num_tokens):
-        return torch.empty(num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
-
-    for num_seqs, q_len, context in warm_up_layouts(spec.budget, spec.block_size):
-        meta, _ = warm_up_batch(num_seqs, q_len, context, spec.block_size, device)
-        splits = default_num_splits(num_seqs, spec.num_kv_heads, q_len + context, device)
-        variant = ("decode", splits > 1) if q_len == 1 else ("ragged", ragged_variant(
-            num_seqs * q_len, num_seqs, q_len, q_len + context, spec.num_heads, spec.num_kv_heads, spec.head_dim))
-        if variant not in seen:
-            seen.add(variant)
-            yield TritonBackend(), q(num_seqs * q_len), cache, meta
-    for bs, splits in spec.decode_splits:
-        meta = decode_graph_metadata(
-            torch.empty(bs, dtype=torch.long, device=device), torch.empty(bs + 1, dtype=torch.int32, device=device),
-            torch.empty(bs, dtype=torch.int32, device=device),
-            torch.empty(bs, max_blocks, dtype=torch.int32, device=device), spec.max_model_len)
-        variant = ("decode", splits > 1)
-        if variant not in seen:
-            seen.add(variant)
-            yield TritonBackend(splits), q(bs), cache, meta
+    warm_up = [warm_up_batch(num_seqs, q_len, context, spec.block_size, device)[0]
+               for num_seqs, q_len, context in warm_up_layouts(spec.budget, spec.block_size)]
+    return get_backend(spec.backend).precompile_launches(spec, warm_up, device)
 
 
 class _CompileOnlyDriver:
@@ -125,22 +87,11 @@ def compile_only_mode(capability: int) -> None:
 
 def compile_launches(spec: AttentionKernelSpec, worker: int = 0, num_workers: int = 1,
                      device: torch.device = torch.device("meta")) -> None:
-    """Compiles this worker's share of the start-up kernel variants (every num_workers-th); worker 0
-    also compiles the KV-store kernel, which has a single variant."""
-    from splitserve.attention.ops import paged_attention
-    from splitserve.attention.ops.store_kv import store_kv
-    paged_attention._num_sms = lambda device_index: spec.num_sms  # the parent's GPU, without CUDA
+    """Compiles this worker's share of the start-up kernel variants (every num_workers-th launch)."""
     compile_only_mode(spec.capability)
-    if worker == 0:  # q, k and v are views of one projection's output, as the model hands them over
-        n, hq, hkv, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q, k, v = torch.empty(n, (hq + 2 * hkv) * d, dtype=spec.dtype, device=device).split([hq * d, hkv * d, hkv * d], -1)
-        cache = torch.empty(1, 2, n, hkv, d, dtype=spec.dtype, device=device)
-        cos_sin = torch.empty(n, spec.rot_dim, dtype=torch.float32, device=device) if spec.rot_dim else None
-        store_kv(k.view(n, hkv, d), v.view(n, hkv, d), cache, torch.empty(n, dtype=torch.long, device=device),
-                 q.view(n, hq, d), torch.empty(n, dtype=torch.long, device=device), cos_sin)
-    for i, (backend, q, cache, meta) in enumerate(attention_launches(spec, device)):
+    for i, launch in enumerate(precompile_launches(spec, device)):
         if i % num_workers == worker:
-            backend.attend(q, cache, meta, spec.head_dim ** -0.5)
+            launch()
 
 
 def _child(spec: AttentionKernelSpec, worker: int, num_workers: int) -> None:
@@ -183,11 +134,13 @@ class AttentionPrecompile:
 
 
 def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, budget: int, max_model_len: int,
-                               batch_sizes: list[int]) -> AttentionPrecompile | None:
-    """Starts the children for a CUDA engine with the Triton backend and compiled graphs; None when
-    the config's attention shape is not readable here (the parent then compiles as before)."""
-    from splitserve.attention.ops.paged_attention import default_num_splits
+                               batch_sizes: list[int], backend: str = "triton") -> AttentionPrecompile | None:
+    """Starts the children for a CUDA engine with compiled graphs; None when the backend compiles no
+    kernels on first launch, or the config's attention shape is not readable here (the parent then
+    compiles as before)."""
     from splitserve.layers.rotary import rope_parameters
+    if not get_backend(backend).jit_kernels:
+        return None
     text = getattr(hf_config, "text_config", None) or hf_config
     try:
         num_heads = text.num_attention_heads
@@ -197,12 +150,11 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     except AttributeError:
         return None
     major, minor = torch.cuda.get_device_capability()
+    # The SM count of the device the engine's launches will run on (the current one): the children
+    # give it to the backend's launch heuristics instead of asking CUDA.
     num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    device = torch.device("cuda", torch.cuda.current_device())
-    spec = AttentionKernelSpec(
-        num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
-        tuple((bs, default_num_splits(bs, num_kv_heads, max_model_len, device)) for bs in batch_sizes),
-        num_sms, major * 10 + minor, rot_dim)
+    spec = AttentionKernelSpec(backend, num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
+                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim)
     try:
         return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
     except (OSError, ValueError) as exc:  # no fork on this platform, or no processes left to start
