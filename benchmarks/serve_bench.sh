@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
 # Serving benchmark on the device: `splitserve serve` (Llama-3-8B shape, random bf16 weights) driven by
-# `splitserve bench serve` with the random dataset (1024 in / 128 out, ignore_eos) at 4 and 16 req/s
-# and inf, a fresh seed per run, then a synthetic-sharegpt sweep. Results go to ${OUT:-.}.
-#   usage: [RATES='4 16 inf'] [SWEEP=1] benchmarks/serve_bench.sh [NUM_PROMPTS]
+# `splitserve bench serve` with the random dataset (1024 in / 128 out, ignore_eos) at fixed rates and
+# inf, a fresh seed per run, then a synthetic-sharegpt sweep. Results go to ${OUT:-.}.
+#   usage: [RATES='4 16 24 inf'] [SWEEP=1] [CFG=dir] [PROFILE_RATE=16] benchmarks/serve_bench.sh [NUM_PROMPTS]
+# CFG: the model directory (config.json, and a tokenizer beside it or the default model's).
+# PROFILE_RATE: while that rate runs, py-spy samples the server and its children (the engine core
+# process) into $OUT/profile_<rate>.txt (collapsed stacks, one line per stack with its sample count).
 set -u
 out=${OUT:-.}
 n=${1:-200}
-cfg=benchmarks/configs/llama3-8b
-python -m splitserve serve $cfg --random-weights --dtype bfloat16 --max-model-len 4096 --port 8011 \
+cfg=${CFG:-benchmarks/configs/llama3-8b}
+port=${PORT:-8011}
+python -m splitserve serve $cfg --random-weights --dtype bfloat16 --max-model-len 4096 --port $port \
     --disable-access-log >"$out/server.log" 2>&1 &
 server=$!
-for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; kill -0 $server 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }; sleep 1; done
+for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; kill -0 $server 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }; sleep 1; done
 grep -E "ready|fast path|captured" "$out/server.log"
-common="--base-url http://127.0.0.1:8011 --tokenizer $cfg --ignore-eos --disable-tqdm"
-seed=$RANDOM
+common="--base-url http://127.0.0.1:$port --tokenizer $cfg --ignore-eos --disable-tqdm"
+seed=${SEED:-$RANDOM}
 for rate in ${RATES:-4 16 inf}; do
   seed=$((seed + 1))
   echo "=== random 1024/128 at $rate req/s (seed $seed)"
+  spy=
+  if [ "${PROFILE_RATE:-}" = "$rate" ]; then
+    py-spy record --pid $server --subprocesses --rate 250 --format raw --nonblocking -o "$out/profile_$rate.txt" >/dev/null 2>&1 &
+    spy=$!
+  fi
   python -m splitserve bench serve $common --dataset random --random-input-len 1024 --random-output-len 128 \
       --num-prompts $n --request-rate $rate --seed $seed --save-result "$out/random_$rate.json"
+  [ -n "$spy" ] && { kill -INT $spy; wait $spy; }
 done
 [ "${SWEEP:-1}" = 1 ] && echo "=== synthetic-sharegpt sweep" && python -m splitserve bench sweep $common --dataset synthetic-sharegpt --num-prompts $n --seed $((seed + 1)) \
     --request-rates 4,16,64,inf --plot "$out/sharegpt_sweep.png" --save-result "$out/sharegpt_sweep.json"
