@@ -8,6 +8,7 @@ Every failure is a `MediaError` whose message says what was wrong (the server tu
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import binascii
 import io
@@ -176,7 +177,7 @@ async def fetch_http_image(url: str, policy: MediaPolicy):
         raise MediaError(f"fetching the image timed out after {policy.fetch_timeout_s} s") from None
     except httpx.HTTPError as e:
         raise MediaError(f"fetching the image failed ({type(e).__name__})") from None
-    return decode_image_bytes(data, policy, "remote image")
+    return await asyncio.to_thread(decode_image_bytes, data, policy, "remote image")  # CPU work: off the loop
 
 
 def load_image(source, policy: MediaPolicy):
@@ -211,4 +212,4 @@ async def load_image_async(source, policy: MediaPolicy):
         source = source.get("url")
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         return await fetch_http_image(source, policy)
-    return load_image(source, policy)
+    return await asyncio.to_thread(load_image, source, policy)

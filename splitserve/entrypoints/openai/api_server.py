@@ -28,7 +28,7 @@ from splitserve.engine.async_engine import AsyncLLMEngine
 from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from splitserve.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                                    TokenizeRequest, TokenizeResponse)
+                                                    TokenizeRequest)
 from splitserve.entrypoints.openai.serving import OpenAIServing, overloaded
 from splitserve.metrics import ServerMetrics
 from splitserve.multimodal.media import MediaPolicy
@@ -191,17 +191,8 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         return await serving.create_chat_completion(body, request)
 
     @api.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        serving.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            if not body.messages:
-                raise APIError(400, "messages is empty", param="messages")
-            ids = serving.apply_chat_template(body.messages, body.add_generation_prompt)
-        else:
-            ids = list(serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids).model_dump()
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await serving.tokenize(body)  # off the event loop when the text is large
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -8,9 +8,10 @@ SamplingParams, whose errors name the field, so there is one source of truth for
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic.types import FailFast
 
 from splitserve.sampling_params import SamplingParams
 
@@ -18,6 +19,18 @@ from splitserve.sampling_params import SamplingParams
 MAX_N = 128
 _INT64 = 2 ** 63
 _TOP_K_CAP = 2 ** 31 - 1
+
+
+class _FailFast(FailFast):
+    __hash__ = object.__hash__  # typing.Union hashes its members; pydantic's FailFast is unhashable
+
+
+_FAIL_FAST = _FailFast()
+# Each list member stops at its first wrong element. Without that, pydantic's smart union checks a
+# prompt of a million token ids against list[str] first and builds a million errors before list[int]
+# matches: ~1 s of the event loop per 2 MB of body. Same members, same results, same schema.
+PromptField = Union[str, Annotated[list[str], _FAIL_FAST], Annotated[list[int], _FAIL_FAST],
+                    Annotated[list[list[int]], _FAIL_FAST]]
 
 
 class APIError(Exception):
@@ -137,7 +150,7 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptField
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -11,7 +11,8 @@ import asyncio
 import logging
 import time
 import uuid
-from functools import lru_cache
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache, partial
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -25,7 +26,7 @@ from splitserve.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-    TokenLogprob, TopLogprob, UsageInfo)
+    TokenizeRequest, TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo)
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES
@@ -35,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Tokenizing a text (or rendering a chat template) costs ~1.4 s of CPU per MB. On the event loop that
+# would hold every other client's stream still, so texts above this size go to worker threads (HF
+# fast tokenizers release the GIL while encoding). Smaller ones take a few ms and stay on the loop,
+# so a flood of huge prompts, queued for the few workers, does not delay ordinary ones.
+_INLINE_TEXT_CHARS = 8192
+_TOKENIZE_WORKERS = 2
 
 
 def overloaded(message: str) -> APIError:
@@ -72,6 +79,7 @@ class OpenAIServing:
         self.media_policy = MediaPolicy()
         # Single-token decodes for logprobs; the vocabulary is fixed, so caching is safe.
         self.token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_WORKERS, thread_name_prefix="splitserve-tokenize")
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -81,6 +89,43 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
+
+    async def _off_loop(self, text_chars: int, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on a tokenizer worker thread when it handles more than
+        _INLINE_TEXT_CHARS characters of text, else right here."""
+        if text_chars <= _INLINE_TEXT_CHARS:
+            return fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, partial(fn, *args, **kwargs))
+
+    @staticmethod
+    def _chat_text_chars(messages, extra: dict | None) -> int:
+        """The work a chat template does, in characters: the texts, plus a share per message (a
+        template loops over them) and the template kwargs (a template may render them)."""
+        n = 64 * len(messages) + (len(repr(extra)) if extra else 0)
+        for m in messages:
+            if isinstance(m.content, str):
+                n += len(m.content)
+            elif m.content:
+                n += sum(64 + len(part.text or "") for part in m.content)
+        return n
+
+    def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        """Text prompts -> token ids, as the engine would tokenize them; token-id prompts as given."""
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "prompt is empty", param="prompt")
+                p = self.tokenizer.encode(p, add_special_tokens=True)
+            ids.append(p)
+        return ids
+
+    def _check_length(self, prompt: list[int], param: str) -> None:
+        """The engine's context check, by length alone: a prompt of a million tokens is refused here
+        at once instead of being walked id by id on the event loop by the engine's validation."""
+        if len(prompt) >= self.max_model_len:
+            raise APIError(400, f"prompt has {len(prompt)} tokens, but the model's context is {self.max_model_len} "
+                                f"tokens (max_model_len), leaving no room for output", param=param)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, extra: dict | None = None,
@@ -119,6 +164,8 @@ class OpenAIServing:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
+        if not isinstance(prompt, str):
+            self._check_length(prompt, param)
         try:
             return self.engine.add_request(request_id, prompt, params)
         except EngineOverloadedError as e:
@@ -264,6 +311,28 @@ class OpenAIServing:
                                          bytes=list(self.token_text(t).encode())) for t, lp in top]))
         return ChatChoiceLogprobs(content=content)
 
+    # -- /tokenize -------------------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> Response:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise APIError(400, "messages is empty", param="messages")
+            text_chars = self._chat_text_chars(req.messages, None)
+        else:
+            text_chars = len(req.prompt)
+
+        def run() -> str:
+            # The answer is built here too: a million ids take a while to validate and serialize.
+            if req.messages is not None:
+                ids = self.apply_chat_template(req.messages, req.add_generation_prompt)
+            else:
+                ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids).model_dump_json()
+
+        return Response(await self._off_loop(text_chars, run), media_type="application/json")
+
     # -- /v1/completions ------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
@@ -272,7 +341,9 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._add_all(request_id, prompts, params, "prompt")
+        text_chars = sum(len(p) for p in prompts if isinstance(p, str))
+        prompt_ids = await self._off_loop(text_chars, self._tokenize_prompts, prompts)
+        streams = self._add_all(request_id, prompt_ids, params, "prompt")
         echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
         if req.stream:
             return self._stream_response(self._completion_events(req, request_id, streams, params, echoes), streams)
@@ -339,8 +410,9 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params()
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
-        prompt = self.apply_chat_template(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          req.chat_template_kwargs, tokenize=not sources)
+        prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
+                                      self.apply_chat_template, req.messages, req.add_generation_prompt,
+                                      req.continue_final_message, req.chat_template_kwargs, tokenize=not sources)
         if sources:
             prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -36,7 +36,7 @@ async def build_chat_prompt(mm: MultiModalProcessor, policy: MediaPolicy, text: 
     try:
         mm.check_count(len(sources), policy)
         images = [await _load(s, policy) for s in sources]
-        processed = await asyncio.to_thread(lambda: [mm.process_image(img) for img in images])
-        return mm.chat_prompt_from_text(text, processed)
+        # Preprocessing is CPU work, and so is tokenizing the rendered text, which can be megabytes.
+        return await asyncio.to_thread(lambda: mm.chat_prompt_from_text(text, [mm.process_image(img) for img in images]))
     except MediaError as e:
         raise APIError(400, str(e), param="messages") from None
