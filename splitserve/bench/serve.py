@@ -157,19 +157,23 @@ def _chunk_error(chunk: dict) -> str | None:
     return None
 
 
-def _chunk_text(chunk: dict, chat: bool) -> tuple[str, bool]:
-    """(output text, finish_reason seen) of one chunk. Reasoning text counts as output: the
-    model spent decode steps on it."""
+def _chunk_text(chunk: dict, chat: bool) -> tuple[str, bool, bool]:
+    """(output text, finish_reason seen, carries tokens) of one chunk. Reasoning text counts as
+    output: the model spent decode steps on it. As vLLM's client does, every chunk with a choice
+    counts as a token event, even with empty text (a token whose text the detokenizer holds back),
+    except a chat stream's opening role chunk and a bare finish_reason."""
     choices = chunk.get("choices") or []
     if not choices:
-        return "", False
+        return "", False, False
     c = choices[0]
     if chat:
         delta = c.get("delta") or {}
         text = (delta.get("reasoning_content") or delta.get("reasoning") or "") + (delta.get("content") or "")
+        tokens = "role" not in delta and (bool(text) or "content" in delta or c.get("logprobs") is not None)
     else:
         text = c.get("text") or ""
-    return text, c.get("finish_reason") is not None
+        tokens = bool(text) or c.get("finish_reason") is None or c.get("logprobs") is not None
+    return text, c.get("finish_reason") is not None, tokens
 
 
 async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, sample: SampleRequest) -> RequestResult:
@@ -208,9 +212,9 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, sample: Samp
                         res.output_len = int(usage["completion_tokens"])
                         res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
                         res.usage_reported = True
-                    text, finished = _chunk_text(chunk, chat)
+                    text, finished, tokens = _chunk_text(chunk, chat)
                     ended = ended or finished
-                    if text:
+                    if tokens:
                         if last is None:
                             res.ttft = now - t0
                         else:

@@ -30,10 +30,15 @@ def test_parse_sse_line():
 
 
 def test_chunk_text_and_errors():
-    assert _chunk_text({"choices": [{"text": " hi", "finish_reason": None}]}, chat=False) == (" hi", False)
-    assert _chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, chat=True) == ("", False)
-    assert _chunk_text({"choices": [{"delta": {"reasoning_content": "hm"}, "finish_reason": "stop"}]}, chat=True) == ("hm", True)
-    assert _chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=False) == ("", False)
+    assert _chunk_text({"choices": [{"text": " hi", "finish_reason": None}]}, chat=False) == (" hi", False, True)
+    # a token whose text is held back (or empty) is still a token event, as vLLM's client counts it
+    assert _chunk_text({"choices": [{"text": "", "finish_reason": None}]}, chat=False) == ("", False, True)
+    assert _chunk_text({"choices": [{"text": "", "finish_reason": "stop"}]}, chat=False) == ("", True, False)
+    assert _chunk_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, chat=True) == ("", False, False)
+    assert _chunk_text({"choices": [{"delta": {"content": ""}}]}, chat=True) == ("", False, True)
+    assert _chunk_text({"choices": [{"delta": {}, "finish_reason": "stop"}]}, chat=True) == ("", True, False)
+    assert _chunk_text({"choices": [{"delta": {"reasoning_content": "hm"}, "finish_reason": "stop"}]}, chat=True) == ("hm", True, True)
+    assert _chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=False) == ("", False, False)
     assert _chunk_error({"error": {"message": "bad"}}) == "bad"
     assert _chunk_error({"object": "error", "message": "oom"}) == "oom"
     assert _chunk_error({"choices": []}) is None
