@@ -12,8 +12,8 @@ import time
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from splitserve.entrypoints.cli import add_engine_args
-    add_engine_args(p)
+    from splitserve.engine_args import EngineArgs
+    EngineArgs.add_cli_args(p)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -28,13 +28,13 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def run(args: argparse.Namespace) -> int:
     from splitserve.engine.llm import LLM
-    from splitserve.entrypoints.cli import engine_args_from
+    from splitserve.engine_args import EngineArgs
     from splitserve.sampling_params import SamplingParams
     for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     t0 = time.perf_counter()
-    llm = LLM(**vars(engine_args_from(args)))
+    llm = LLM(**vars(EngineArgs.from_namespace(args)))
     load_s = time.perf_counter() - t0
     vocab = llm.engine.config.model.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)

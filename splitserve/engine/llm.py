@@ -5,8 +5,9 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from splitserve.engine.llm_engine import EngineArgs, LLMEngine
+from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutput
+from splitserve.engine_args import EngineArgs
 from splitserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -14,7 +15,9 @@ Prompt = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        """`kwargs` are EngineArgs fields (the CLI's engine flags, with underscores); any other
+        keyword is a TypeError that lists the valid ones."""
+        self.engine = LLMEngine(EngineArgs.from_kwargs("LLM()", model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -5,34 +5,7 @@ import argparse
 import logging
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF model directory, .gguf file, or cached repo id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--attention-backend", default=None, choices=["torch_ref", "triton"])
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--random-weights", action="store_true", help="random weights from the config (benchmarks)")
-
-
-def engine_args_from(args: argparse.Namespace):
-    from splitserve.engine.llm_engine import EngineArgs
-    return EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      block_size=args.block_size, num_blocks=args.num_blocks,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      enable_prefix_caching=args.enable_prefix_caching,
-                      attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                      random_weights=args.random_weights,
-                      served_model_name=getattr(args, "served_model_name", None))
+from splitserve.engine_args import EngineArgs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -49,9 +22,14 @@ def sampling_params_from(args: argparse.Namespace):
                           top_k=args.top_k, seed=args.seed)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from splitserve.entrypoints.openai.api_server import run_server
+    return run_server(args)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from splitserve.engine.llm import LLM
-    llm = LLM(**vars(engine_args_from(args)))
+    llm = LLM(**vars(EngineArgs.from_namespace(args)))
     params = sampling_params_from(args)
     prompts = args.prompt
     if args.chat:
@@ -65,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from splitserve.engine.llm import LLM
-    llm = LLM(**vars(engine_args_from(args)))
+    llm = LLM(**vars(EngineArgs.from_namespace(args)))
     params = sampling_params_from(args)
     history: list[dict] = []
     if args.system:
@@ -96,28 +74,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Serve LLMs and VLMs, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve)
-    from splitserve.entrypoints.openai.api_server import add_serve_args, run_server
-    add_serve_args(serve)
-    from splitserve.multimodal.media import add_media_args
-    add_media_args(serve)
-    serve.set_defaults(func=run_server)
+    # The options only: the web stack is imported when the server runs, not to parse or print --help.
+    from splitserve.entrypoints.openai.server_args import ServerArgs
+    from splitserve.multimodal.media import MediaArgs
+    EngineArgs.add_cli_args(serve)
+    ServerArgs.add_cli_args(serve)
+    MediaArgs.add_cli_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate from prompts and print the outputs")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
@@ -127,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.bench import cli as bench_cli, throughput
     bench_cli.register(bench_sub)
     throughput.register(bench_sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 from typing import Iterator
 
 import torch
-from tqdm import tqdm
 
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource
+from splitserve.models.safetensors_io import iter_safetensors
 from splitserve.models.text_config import ARCH_BY_MODEL_TYPE, read_text_config, text_config_from_dict
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -99,18 +98,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str) -> torch.dty
     return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-# -- checkpoint readers: yield (HF name, tensor) ------------------------------------------------------
-def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors.torch import safe_open
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
-    for path in tqdm(files, desc="loading safetensors", disable=len(files) < 2):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
+# -- checkpoint readers: yield (HF name, tensor); safetensors directories in safetensors_io.py ----------
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

@@ -19,6 +19,7 @@ import torch
 
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.safetensors_io import iter_safetensors
 from splitserve.multimodal.processor import to_device_pixels
 
 VILA_ARCHITECTURES = ("LlavaLlamaModel", "LlavaLlamaForCausalLM")
@@ -59,7 +60,6 @@ def load_vila_config(directory: str):
 
 def iter_vila_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every part's safetensors, names prefixed with the part's folder."""
-    from splitserve.models.loader import iter_safetensors
     for part in _PARTS:
         for name, tensor in iter_safetensors(os.path.join(directory, part)):
             yield f"{part}.{name}", tensor

@@ -7,7 +7,6 @@ Every failure is a `MediaError` whose message says what was wrong (the server tu
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import binascii
@@ -16,6 +15,8 @@ import json
 import os
 import urllib.parse
 from dataclasses import dataclass
+
+from splitserve.arg_utils import CliOptions, option
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20        # encoded size
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000    # decoded size (a decompression bomb is small on the wire)
@@ -43,12 +44,13 @@ class MediaPolicy:
 
     @classmethod
     def from_args(cls, args) -> "MediaPolicy":
-        local = getattr(args, "allowed_local_media_path", None)
-        domains = getattr(args, "allowed_media_domains", None) or []
+        """From the server's parsed flags (`MediaArgs`); absent ones (or no `args`) take their defaults."""
+        a = MediaArgs.from_namespace(args)
+        local = a.allowed_local_media_path
         return cls(allowed_local_media_path=os.path.realpath(local) if local else None,
-                   allowed_media_domains=tuple(d.lower() for d in domains),
-                   fetch_timeout_s=getattr(args, "media_fetch_timeout", DEFAULT_FETCH_TIMEOUT_S),
-                   limit_per_prompt=parse_limit_mm_per_prompt(getattr(args, "limit_mm_per_prompt", None)))
+                   allowed_media_domains=tuple(d.lower() for d in a.allowed_media_domains or ()),
+                   fetch_timeout_s=a.media_fetch_timeout,
+                   limit_per_prompt=parse_limit_mm_per_prompt(a.limit_mm_per_prompt))
 
 
 def parse_limit_mm_per_prompt(text: str | int | None) -> int:
@@ -76,15 +78,22 @@ def parse_limit_mm_per_prompt(text: str | int | None) -> int:
     return value
 
 
-def add_media_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--limit-mm-per-prompt", default=None,
-                   help=f"most images in one request, e.g. image=2 (default: {DEFAULT_LIMIT_PER_PROMPT})")
-    p.add_argument("--allowed-local-media-path", default=None,
-                   help="let requests read file:// image URLs under this directory (default: none)")
-    p.add_argument("--allowed-media-domains", nargs="*", default=None,
-                   help="hosts whose http(s) image URLs may be fetched (default: none; URLs are refused)")
-    p.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT_S,
-                   help="seconds allowed to fetch one http(s) image")
+@dataclass
+class MediaArgs(CliOptions):
+    """The server's flags that build its MediaPolicy (`MediaPolicy.from_args` reads them)."""
+    limit_mm_per_prompt: str | None = option(
+        None, default_text=f"image={DEFAULT_LIMIT_PER_PROMPT}",
+        help="most images in one request: image=N, '{\"image\": N}' or N")
+    allowed_local_media_path: str | None = option(
+        None, default_text="none", help="let requests read file:// image URLs under this directory")
+    allowed_media_domains: list[str] | None = option(
+        None, default_text="none; http(s) image URLs are refused",
+        help="hosts whose http(s) image URLs may be fetched")
+    media_fetch_timeout: float = option(DEFAULT_FETCH_TIMEOUT_S, help="seconds allowed to fetch one http(s) image")
+
+    @classmethod
+    def cli_title(cls) -> str:
+        return "media options"
 
 
 # -- decoding ----------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import signal
 import threading
@@ -25,10 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
 from splitserve.engine.async_engine import AsyncLLMEngine
+from splitserve.engine_args import EngineArgs
 from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from splitserve.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                                     TokenizeRequest)
+from splitserve.entrypoints.openai.server_args import ServerArgs
 from splitserve.entrypoints.openai.serving import OpenAIServing, overloaded
 from splitserve.metrics import ServerMetrics
 from splitserve.multimodal.media import MediaPolicy
@@ -38,26 +39,6 @@ logger = logging.getLogger(__name__)
 _DRAIN_GRACE_S = 3.0
 # After the engine core process is lost, /health answers 503 this long before the server exits.
 _CORE_LOST_GRACE_S = 2.0
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
-                        "(default: $SPLITSERVE_API_KEY, else no key)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and /v1/models shows (default: from the model)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 503 once this many requests wait for the engine (default: no limit)")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"answer 413 to a request body larger than this (default: {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds to let in-flight requests finish after SIGTERM (default: 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--disable-access-log", action="store_true", help="do not log each HTTP request")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="stream a running request's tokens in events of this many (default: 1, every token)")
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -263,17 +244,8 @@ def run_server(args: argparse.Namespace) -> int:
     the loss of the core process (exit 1, after answering 503 for a moment so probes see why)."""
     import uvicorn
 
-    from splitserve.entrypoints.cli import engine_args_from
-
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
-    if args.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
-    if args.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    if args.stream_interval < 1:
-        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
-    engine = AsyncLLMEngine.launch(engine_args_from(args), max_queued_requests=args.max_queued_requests,
+    ServerArgs.from_namespace(args)  # checks the server's flags (ValueError naming the flag)
+    engine = AsyncLLMEngine.launch(EngineArgs.from_namespace(args), max_queued_requests=args.max_queued_requests,
                                    stream_interval=args.stream_interval)
     app = build_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
