@@ -14,7 +14,6 @@ def _require(cond: bool, msg: str) -> None:
 class ModelConfig:
     """What the engine needs to know about the model, read from an HF config (or a GGUF's metadata)."""
     hf_config: Any
-    model_path: str  # directory or .gguf file, resolved
     architecture: str
     dtype: Any  # torch.dtype
     max_model_len: int
@@ -55,20 +54,11 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # per-step token budget; prompts longer than it are chunked
-    max_model_len: int = 0  # filled from the model when 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        _require(self.tensor_parallel_size == 1, "tensor_parallel_size > 1 is not supported yet")
 
 
 @dataclass(frozen=True)
@@ -98,7 +88,6 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    parallel: ParallelConfig
     compile: CompileConfig
     device: str
     attention_backend: str

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig,
-                               SchedulerConfig)
+from splitserve.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
 from splitserve.engine.fault_injection import install_step_faults
@@ -66,12 +65,11 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     arch, _ = get_model_class(hf_config.architectures)
     backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
     config = EngineConfig(
-        model=ModelConfig(hf_config, source.path, arch, dtype, max_model_len, hf_config.vocab_size,
-                          tuple(sorted(eos))),
+        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos))),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
                           args.cpu_kv_cache_gib, args.enable_prefix_caching),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len),
-        parallel=ParallelConfig(), compile=CompileConfig(enforce_eager=args.enforce_eager),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
     return ModelSpec(source, config, args.served_model_name or source.name)
 

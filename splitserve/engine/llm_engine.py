@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, stream_interval: int = 1, **kwargs):
-        args = args or EngineArgs(**kwargs)
+        args = args or EngineArgs.from_kwargs("LLMEngine()", **kwargs)
         self.args = args
         t0 = time.perf_counter()
         spec = resolve_model_spec(args)
