@@ -160,13 +160,14 @@ class Scheduler:
         for request, n in self._steps.pop(out.step_id, ()):
             if request.is_finished:  # aborted (or failed) while the step ran
                 continue
+            holds_blocks = request.status == RequestStatus.RUNNING  # a preempted request has none
             token = sampled.get(request.request_id)
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
                 self._check_stop(request, token)
                 updated.append(request)
-            if request.status == RequestStatus.RUNNING:  # a preempted request has no blocks to cache
+            if holds_blocks:  # also when this token ended it: its prompt blocks serve later requests
                 self.kv.cache_full_blocks(request)
             if request.is_finished:
                 self._release(request)

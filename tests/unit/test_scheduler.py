@@ -314,3 +314,16 @@ def test_step_message_survives_msgpack():
     assert back == out and list(back.num_scheduled_tokens) == list(out.num_scheduled_tokens)
     assert back.new_requests[0].sampling_params == out.new_requests[0].sampling_params
 
+
+# -- the prefix cache -------------------------------------------------------------------------------
+
+def test_request_ending_in_its_first_step_leaves_its_prompt_blocks_cached():
+    sched, kv = make(block_size=4, caching=True)
+    sched.add_request(req("a", 10, max_tokens=1))
+    step(sched)                                  # prefill + the only token: finished and released
+    assert "a" not in sched.requests and kv.pool.is_whole()
+    sched.add_request(req("b", 10, max_tokens=1))
+    out = step(sched)
+    assert kv.prefix_hits == 8                   # both full blocks of the identical prompt
+    assert out.new_requests[0].num_computed_tokens == 8 and plan(out) == [("b", 2)]
+    assert kv.pool.is_whole()
