@@ -87,8 +87,8 @@ def profile_steps(llm: LLM, ps, params) -> None:
         t = time.perf_counter()
         out = launch(sched, inflight)
         torch.cuda.synchronize()
-        n_tok = sum(n for _, n in sched.scheduled)
-        rows.append((len(sched.scheduled), n_tok, time.perf_counter() - t))
+        n_tok = sched.total_num_scheduled_tokens
+        rows.append((len(sched.num_scheduled_tokens), n_tok, time.perf_counter() - t))
         return out
     runner.launch = timed
     prof = None
@@ -244,7 +244,7 @@ def trace_run(llm: LLM, ps, max_tokens: int, label: str) -> str:
 
     def counted():
         out = schedule()
-        tokens_per_step.append(sum(n for _, n in out.scheduled))
+        tokens_per_step.append(out.total_num_scheduled_tokens)
         return out
     sched.schedule = counted
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -1,4 +1,6 @@
-"""Per-request state shared by the scheduler, the KV manager and the engine."""
+"""Per-request state of the scheduler, the KV manager and the engine core. The worker never sees it:
+it gets plain data in the step message (core/sched_output.py) and keeps its own per-request state
+(worker/input_batch.py)."""
 from __future__ import annotations
 
 import enum
@@ -43,7 +45,6 @@ class Request:
     # the next step is scheduled and launched before the previous one's tokens are read). They count
     # in num_tokens; their input ids are filled in on the device. 0 outside of overlapped stepping.
     num_pending: int = 0
-    sample_row: int = -1  # row of this request in the sampled tokens of the last step that sampled it
     # Tokens whose K/V are in the cache (or about to be, for the step being run).
     num_computed_tokens: int = 0
     # Of those, how many came from the prefix cache at the last admission (for metrics).
@@ -52,10 +53,13 @@ class Request:
     # Hashes of this request's full blocks, in order; extended as blocks fill.
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # The worker holds this request's state (it was sent as new and has not been reported finished);
+    # a preempted request stays there, out of the batch, and is sent back as resumed.
+    in_worker: bool = False
+    num_worker_blocks: int = 0  # leading block ids the worker has been sent
     stop_reason: int | str | None = None
     # Per-token logprob dicts of the output: [{token_id: logprob, ...}] (sampled token first).
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    generator: object | None = None  # torch.Generator of a seeded request, made on its first sample
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Images of a multimodal prompt (multimodal.inputs.ImageItem), sorted by placeholder offset.

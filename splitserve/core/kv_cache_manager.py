@@ -15,12 +15,13 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0     # of those, tokens found
 
-    # Extra hash keys of a block (image hashes for multimodal placeholders); none for text.
-    def _extra_keys(self, request: Request, start: int, end: int) -> tuple:
+    @staticmethod
+    def _extra_keys(request: Request, start: int, end: int) -> tuple:
+        """Extra hash keys of tokens [start, end): the hashes of the images whose placeholders overlap
+        them (none for text), so a cached block is reused only for the same image."""
         if not request.mm_items:
             return ()
-        from splitserve.multimodal.step import block_extra_keys
-        return block_extra_keys(request, start, end)
+        return tuple(item.hash for item in request.mm_items if item.offset < end and item.end > start)
 
     def _update_block_hashes(self, request: Request, upto_tokens: int) -> None:
         """Extends request.block_hashes over every full block within the first upto_tokens tokens."""
@@ -55,7 +56,7 @@ class KVCacheManager:
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Makes room for num_new_tokens beyond request.num_computed_tokens (plus the prefix hits given
         for a newly admitted request). Returns False, changing nothing, if blocks run out."""
-        blocks = self._blocks.get(request.request_id, [])
+        blocks = self._blocks.get(request.request_id, ())
         if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
             return True  # the common decode case: the last block still has room
         computed_blocks = computed_blocks or []
@@ -67,11 +68,11 @@ class KVCacheManager:
             return False
         if computed_blocks:
             self.pool.touch(computed_blocks)
-            blocks = blocks + computed_blocks
-        if needed > 0:
-            blocks = blocks + self.pool.allocate(needed)
-        self._blocks[request.request_id] = blocks
-        request.block_ids = [b.block_id for b in blocks]
+        new = computed_blocks + self.pool.allocate(needed) if needed > 0 else computed_blocks
+        # Appended in place: a growing request costs O(new blocks), and the scheduler sends the worker
+        # only what was appended since its last message.
+        self._blocks.setdefault(request.request_id, []).extend(new)
+        request.block_ids.extend(b.block_id for b in new)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -5,27 +5,23 @@ chunked prefill and decode are the same thing with different counts. Running req
 decodes are never starved by new prompts), then waiting ones are admitted while the budget, the
 sequence cap and the KV blocks allow. When blocks run out, the most recently admitted running request
 is preempted: its blocks are freed and it is recomputed later from its tokens.
+
+The scheduler owns the `Request` objects; the worker gets a plain-data `SchedulerOutput` per step
+(core/sched_output.py) and keeps its own persistent batch. `update` resolves a step's results against
+the requests that step ran (kept here by step id), never by id lookup alone: an id can be reused by a
+new request once the old one has finished.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
+from splitserve.core.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.request import Request, RequestStatus
 
-
-@dataclass
-class SchedulerOutput:
-    # Requests run this step, in batch order, with their number of new tokens.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    total_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -36,6 +32,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._num_steps = 0
+        # Launched steps whose results have not come back: step id -> [(request, num tokens)].
+        self._steps: dict[int, list[tuple[Request, int]]] = {}
+        # Removals the worker has not been told about yet (they go out with the next message).
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -49,9 +51,15 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """The next step's message. It always carries the removals since the last message, even when
+        nothing is scheduled (the engine then sends it without running a step)."""
+        self._num_steps += 1
+        out = SchedulerOutput(step_id=self._num_steps)
+        num_tokens = out.num_scheduled_tokens
+        cached = out.cached_requests
+        scheduled: list[tuple[Request, int]] = []
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -64,19 +72,24 @@ class Scheduler:
             while not self.kv.allocate_slots(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted = True
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, n))
-                scheduled_ids.add(request.request_id)
+                scheduled.append((request, n))
+                num_tokens[request.request_id] = n
+                if len(request.block_ids) > request.num_worker_blocks:  # its block table grew
+                    cached.req_ids.append(request.request_id)
+                    cached.new_block_ids.append(request.block_ids[request.num_worker_blocks:])
+                    request.num_worker_blocks = len(request.block_ids)
                 budget -= n
                 i += 1
                 continue
             break  # the request itself was preempted: it was the last running one
 
         # New work only when nothing had to give way this step.
-        while (not out.preempted and self.waiting and budget > 0
+        now = None
+        while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(request)
@@ -87,20 +100,38 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now = now or time.monotonic()
             self.running.append(request)
-            out.scheduled.append((request, n))
+            scheduled.append((request, n))
+            num_tokens[request.request_id] = n
+            block_ids = list(request.block_ids)
+            request.num_worker_blocks = len(block_ids)
+            if request.in_worker:  # preempted earlier: the worker still holds its tokens
+                out.resumed_requests.append(ResumedRequestData(request.request_id, block_ids, num_cached))
+            else:
+                request.in_worker = True
+                out.new_requests.append(NewRequestData(
+                    request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
+                    num_cached, request.eos_token_ids, request.mm_items))
             budget -= n
 
-        out.total_tokens = self.config.max_num_batched_tokens - budget
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        out.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
+        if scheduled:
+            self._steps[out.step_id] = scheduled
         return out
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_worker_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._preempted_ids.append(request.request_id)
 
     @staticmethod
     def _at_length_limit(request: Request) -> bool:
@@ -109,34 +140,57 @@ class Scheduler:
             request.num_tokens >= request.max_total_tokens
 
     # -- results ---------------------------------------------------------------------------------
-    def advance(self, out: SchedulerOutput, sample_requests: list[Request]) -> None:
-        """Once a step is launched: its tokens count as computed, and each request that samples
-        holds one pending token until the step's results arrive (update)."""
-        for request, n in out.scheduled:
+    def advance(self, out: SchedulerOutput) -> int:
+        """Once a step is launched: its tokens count as computed, and each request whose tokens are
+        all computed now samples, holding one pending token until the step's results arrive. Returns
+        how many sample (the worker decides the same from its own counts)."""
+        num_samples = 0
+        for request, n in self._steps.get(out.step_id, ()):
             request.num_computed_tokens += n
-        for row, request in enumerate(sample_requests):
-            request.num_pending += 1
-            request.sample_row = row
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_pending += 1
+                num_samples += 1
+        return num_samples
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """With a step's results: turns the pending tokens of its sampling requests into output
         tokens, applies token-level stop rules and caches filled blocks. Returns the requests that got
         a new token (finished ones included)."""
         updated = []
-        for request, n in out.scheduled:
+        for request, n in self._steps.pop(out.step_id, ()):
             if request.is_finished:  # aborted (or failed) while the step ran
                 continue
+            holds_blocks = request.status == RequestStatus.RUNNING  # a preempted request has none
             token = sampled.get(request.request_id)
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
                 self._check_stop(request, token)
                 updated.append(request)
-            if request.status == RequestStatus.RUNNING:  # a preempted request has no blocks to cache
+            if holds_blocks:  # also when this token ended it: its prompt blocks serve later requests
                 self.kv.cache_full_blocks(request)
             if request.is_finished:
                 self._release(request)
         return updated
+
+    def fail_step(self, out: SchedulerOutput, status: RequestStatus, launched: bool) -> list[Request]:
+        """Ends the requests of a step that failed (at launch, or when its results were read). A
+        message that never reached the worker (launched=False) has its removals sent again with the
+        next one."""
+        failed = []
+        for request, _ in self._steps.pop(out.step_id, ()):
+            if not request.is_finished:
+                request.status = status
+                self._release(request)
+                failed.append(request)
+        if not launched:
+            self._finished_ids[:0] = out.finished_req_ids
+            self._preempted_ids[:0] = out.preempted_req_ids
+        return failed
+
+    def forget_steps(self) -> None:
+        """Drops the records of launched steps whose results will never be read."""
+        self._steps.clear()
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params
@@ -174,3 +228,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        if request.in_worker:
+            self._finished_ids.append(request.request_id)
+            request.in_worker = False

@@ -128,10 +128,21 @@ class EngineCore:
         """Ends sequences wherever they are and frees their blocks; unknown ids are ignored. The front
         already knows how they end, so nothing is reported back."""
         self.scheduler.finish_requests(request_ids, _FINISH_STATUS[reason])
+        self._flush_removals()
 
     def reset_inflight(self) -> None:
         """Forgets the step in flight (after a failure that ended all of its requests)."""
         self._inflight = None
+        self.scheduler.forget_steps()
+        self._flush_removals()
+
+    def _flush_removals(self) -> None:
+        """With nothing left to schedule, no step message would tell the worker which requests left:
+        send it one that runs nothing, so an idle engine's worker holds no request."""
+        if not self.scheduler.has_unfinished():
+            sched = self.scheduler.schedule()
+            if sched.has_removals:
+                self.runner.update_states(sched)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -156,29 +167,28 @@ class EngineCore:
             inflight = None
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            now = time.monotonic()
-            for request, _ in sched.scheduled:
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
             try:
                 launched = self.runner.launch(sched, inflight)
             except Exception as exc:
-                outputs += self._fail_step(sched, exc)
+                outputs += self._fail_step(sched, exc, launched=False)
             else:
-                self.scheduler.advance(sched, launched.sample_requests)
+                num_samples = self.scheduler.advance(sched)
+                assert num_samples == len(launched.sample_requests), "scheduler and worker disagree on who samples"
                 self._inflight = launched
+        elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
+            self.runner.update_states(sched)
         if inflight is not None:
             outputs += self._process(inflight)
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
+        self._flush_removals()
         return outputs
 
-    def _fail_step(self, sched, exc: Exception) -> list[EngineCoreOutput]:
+    def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:
         """A failed step fails its requests, not the engine (unless steps keep failing)."""
-        logger.exception("model step failed; failing its %d requests", len(sched.scheduled))
-        failed = self.scheduler.finish_requests([r.request_id for r, _ in sched.scheduled],
-                                                RequestStatus.FINISHED_ERROR)
+        logger.exception("model step failed; failing its %d requests", len(sched.num_scheduled_tokens))
+        failed = self.scheduler.fail_step(sched, RequestStatus.FINISHED_ERROR, launched)
         self._failed_steps_in_a_row += 1
         if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
             raise EngineDeadError(f"{self._failed_steps_in_a_row} model steps failed in a row; "

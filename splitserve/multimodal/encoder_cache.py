@@ -7,14 +7,15 @@ cache remembers, per entry, the requests that use it and where their run ends; a
 counting once it has computed past that point, finished, or been preempted (it is re-pinned when it
 runs again). If every entry is needed, the cache grows past its bound rather than failing a step;
 it shrinks back as users move on.
+
+A user is the worker's state of a request (worker/input_batch.py), read through three attributes:
+`req_id`, `is_active` (in the running batch: not finished, not preempted) and `num_computed_tokens`.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import torch
-
-from splitserve.request import Request, RequestStatus
 
 
 class EncoderCache:
@@ -23,7 +24,7 @@ class EncoderCache:
             raise ValueError(f"encoder cache capacity must be >= 1 token, got {capacity_tokens}")
         self.capacity_tokens = capacity_tokens
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # LRU first
-        self._users: dict[str, dict[str, tuple[Request, int]]] = {}    # hash -> request id -> (request, end)
+        self._users: dict[str, dict[str, tuple[object, int]]] = {}     # hash -> request id -> (user, end)
         self.num_tokens = 0
         self.hits = 0
         self.misses = 0
@@ -50,16 +51,16 @@ class EncoderCache:
         self.num_tokens += feats.shape[0]
         self._evict()
 
-    def pin(self, key: str, request: Request, end: int) -> None:
-        """Marks key as needed by request until it has computed `end` tokens."""
-        self._users.setdefault(key, {})[request.request_id] = (request, end)
+    def pin(self, key: str, user, end: int) -> None:
+        """Marks key as needed by a request (its worker state) until it has computed `end` tokens."""
+        self._users.setdefault(key, {})[user.req_id] = (user, end)
 
     def _still_needed(self, key: str) -> bool:
         users = self._users.get(key)
         if not users:
             return False
-        for rid, (request, end) in list(users.items()):
-            if request.status != RequestStatus.RUNNING or request.num_computed_tokens >= end:
+        for rid, (user, end) in list(users.items()):
+            if not user.is_active or user.num_computed_tokens >= end:
                 del users[rid]
         if not users:
             del self._users[key]

@@ -5,14 +5,15 @@ run overlaps that range need their features: those not in the encoder cache are 
 in one batch through the vision tower and projector (the batchful stage), and the overlapping slice
 of each image's features overwrites the token embeddings at its rows. A step without image tokens
 returns None and runs exactly as a text step (so decode steps keep their CUDA graphs).
+
+It reads the worker's request states (worker/input_batch.py: `mm_items`, `num_computed_tokens`,
+`is_active`), never the scheduler's requests.
 """
 from __future__ import annotations
 
 import torch
 
-from splitserve.core.scheduler import SchedulerOutput
 from splitserve.multimodal.encoder_cache import EncoderCache
-from splitserve.request import Request
 
 DEFAULT_ENCODER_CACHE_TOKENS = 16384
 
@@ -23,15 +24,13 @@ class MultiModalStepEncoder:
         self.cache = EncoderCache(capacity_tokens)
         self.num_images_encoded = 0  # images run through the tower (cache misses), for tests and stats
 
-    def step_embeddings(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def step_embeddings(self, spans, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """spans: (request state, start, n, first row in the flat batch) of the step's requests that
+        compute tokens before the end of their last image run; the runner picks them vectorized."""
         # (row in the flat batch, item, first feature, last feature + 1)
         slices = []
-        row = 0
-        for request, n in sched.scheduled:
-            items = request.mm_items
-            if items and request.num_computed_tokens < items[-1].end:
-                self._collect(request, n, row, slices)
-            row += n
+        for state, start, n, row in spans:
+            self._collect(state, start, n, row, slices)
         if not slices:
             return None
         features = self._features([item for _, item, _, _ in slices])
@@ -40,17 +39,16 @@ class MultiModalStepEncoder:
             embeds[dst:dst + hi - lo] = features[item.hash][lo:hi].to(embeds.dtype)
         return embeds
 
-    def _collect(self, request: Request, n: int, row: int, slices: list) -> None:
-        start = request.num_computed_tokens
+    def _collect(self, state, start: int, n: int, row: int, slices: list) -> None:
         stop = start + n
-        for item in request.mm_items:
+        for item in state.mm_items:
             if item.offset >= stop:
                 break
             if item.end <= start:
                 continue
             lo, hi = max(start, item.offset), min(stop, item.end)
             slices.append((row + lo - start, item, lo - item.offset, hi - item.offset))
-            self.cache.pin(item.hash, request, item.end)
+            self.cache.pin(item.hash, state, item.end)
 
     def _features(self, items) -> dict[str, torch.Tensor]:
         found: dict[str, torch.Tensor] = {}
@@ -74,8 +72,3 @@ class MultiModalStepEncoder:
             self.num_images_encoded += len(todo)
         return found
 
-
-def block_extra_keys(request: Request, start: int, end: int) -> tuple:
-    """Hashes of the images whose placeholders overlap tokens [start, end) of the request: they enter
-    the KV block hash, so a cached block is reused only for the same image."""
-    return tuple(item.hash for item in request.mm_items if item.offset < end and item.end > start)

@@ -1,7 +1,9 @@
 """Turns a scheduler decision into one forward pass: flat inputs, attention metadata, model, sampler.
 
-The runner decides no policy. It reads, for each scheduled request, its tokens from
-num_computed_tokens on and its block ids, and lays them out as one ragged batch.
+The runner decides no policy. It receives the scheduler's step message (plain data,
+core/sched_output.py), applies its deltas to its persistent batch (worker/input_batch.py) and lays
+out, for each scheduled request, its tokens from num_computed_tokens on and its block table as one
+ragged batch: numpy gathers over the batch's rows.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig
-from splitserve.core.scheduler import SchedulerOutput
-from splitserve.layers.sampler import Sampler
-from splitserve.request import Request
+from splitserve.core.sched_output import SchedulerOutput
+from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from splitserve.worker.input_batch import CachedRequestState, InputBatch
+from splitserve.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ class InFlightStep:
     """A launched step: its sampled tokens on the device (the next step's pending input ids) and
     their host copies, complete once `done` has fired."""
     sched: SchedulerOutput
-    sample_requests: list[Request]
+    sample_requests: list[CachedRequestState]  # the worker's states of its sampling rows, in row order
+    step_no: int = -1  # the runner's launch count when it was launched (pending_step of its rows)
     token_ids: torch.Tensor | None = None
     host: tuple = ()  # (token ids, logprobs, logprob ids) on the host, copied without blocking
     done: torch.cuda.Event | None = None
@@ -111,8 +115,11 @@ class ForwardBatch:
     positions: torch.Tensor        # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [S] rows of the hidden states whose next token is sampled
-    sample_requests: list[Request]  # the S requests that sample this step, in row order
+    sample_requests: list[CachedRequestState]  # the S requests that sample this step, in row order
     inputs_embeds: torch.Tensor | None = None  # [T, hidden] when the step has image tokens
+    sampling_metadata: SamplingMetadata | None = None  # of the S sampling rows (None when S == 0)
+    # (request state, start, n, first flat row) of the sequences that compute image placeholder tokens
+    mm_spans: list | None = None
 
 
 @dataclass
@@ -133,6 +140,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.stagings = [_Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
+        # The worker's persistent batch: what it keeps about each request between step messages.
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
+                                      self.max_blocks_per_seq)
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -214,14 +224,24 @@ class ModelRunner:
                          time.perf_counter() - t)
 
     # -- one step --------------------------------------------------------------------------------
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Applies a step message's deltas to the persistent batch without running a step (a message
+        that schedules nothing but carries removals)."""
+        self.input_batch.update(sched)
+
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:
-        """Lays the step out in staging buffers and copies it to the device. Tokens still pending
-        from the in-flight step are taken from its sampled tokens on the device."""
+        """Applies the message to the persistent batch, lays the step out in staging buffers and copies
+        it to the device. Tokens still pending from the in-flight step are taken from its sampled
+        tokens on the device."""
+        ib = self.input_batch
+        ib.update(sched)
         bs = self.block_size
         st = self.stagings[self.num_launched % 2]
-        num_seqs = len(sched.scheduled)
-        counts = np.fromiter((n for _, n in sched.scheduled), dtype=np.int64, count=num_seqs)
-        starts = np.fromiter((r.num_computed_tokens for r, _ in sched.scheduled), dtype=np.int64, count=num_seqs)
+        nst = sched.num_scheduled_tokens
+        num_seqs = len(nst)
+        rows = ib.rows_of(nst)
+        counts = np.fromiter(nst.values(), dtype=np.int64, count=num_seqs)
+        starts = ib.num_computed[rows]
         seq_lens = starts + counts
         qsl = st.query_start_loc[:num_seqs + 1]
         qsl[0] = 0
@@ -229,29 +249,42 @@ class ModelRunner:
         total = int(qsl[-1])
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)
-
-        input_ids = st.input_ids[:total]
-        block_tables = st.block_tables[:num_seqs * width].reshape(num_seqs, width)
-        sample_requests, logits_indices, fills = [], [], []
-        for i, (request, n) in enumerate(sched.scheduled):
-            s = int(starts[i])
-            input_ids[qsl[i]:qsl[i + 1]] = request.token_slice(s, s + n)
-            if request.num_pending:  # its input is the token the in-flight step sampled
-                fills.append((int(qsl[i + 1]) - 1, request.sample_row))
-            ids = request.block_ids
-            block_tables[i, :len(ids)] = ids if len(ids) <= width else ids[:width]
-            if s + n == request.num_tokens:
-                sample_requests.append(request)
-                logits_indices.append(int(qsl[i + 1]) - 1)
+        last = qsl[1:].astype(np.int64) - 1  # flat row of each sequence's last token
 
         # position of every token = its sequence's start + offset within the step's chunk
         seq_index = np.repeat(np.arange(num_seqs), counts)
         positions = st.positions[:total]
         positions[:] = starts[seq_index] + (np.arange(total) - qsl[:-1][seq_index])
+        token_rows = rows[seq_index]
+        st.input_ids[:total] = ib.token_ids[token_rows, positions]
+        block_tables = st.block_tables[:num_seqs * width].reshape(num_seqs, width)
+        block_tables[:] = ib.block_table[rows, :width]
         slot_mapping = st.slot_mapping[:total]
         slot_mapping[:] = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         st.seq_lens[:num_seqs] = seq_lens
-        st.logits_indices[:len(logits_indices)] = logits_indices
+
+        # A sequence whose last input is past its known tokens runs on the token the in-flight step
+        # sampled for it (async scheduling); only the last input can be pending.
+        pending = np.flatnonzero(seq_lens > ib.num_known[rows])
+        # Sequences whose tokens are all computed after this step sample their next token.
+        samples = np.flatnonzero(seq_lens == ib.num_tokens[rows])
+        sample_rows = rows[samples]
+        num_samples = len(samples)
+        st.logits_indices[:num_samples] = last[samples]
+        sample_requests = [ib.row_states[r] for r in sample_rows.tolist()]
+        meta_sampling = None
+        if num_samples:
+            meta_sampling = build_sampling_metadata(ib, sample_rows, sample_requests,
+                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device)
+        fill_src = None
+        if len(pending):
+            assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
+            pending_rows = rows[pending]
+            assert (ib.pending_step[pending_rows] == inflight.step_no).all(), "pending token of another step"
+            assert (seq_lens[pending] == ib.num_known[pending_rows] + 1).all(), "more than one pending input"
+            st.fill_dst[:len(pending)] = last[pending]
+            st.fill_src[:len(pending)] = fill_src = ib.pending_src[pending_rows]
+        ib.record_launch(rows, seq_lens, sample_rows, self.num_launched)
 
         t = st.tensors
         dev = self.device
@@ -264,18 +297,22 @@ class ModelRunner:
             query_start_loc_cpu=t["query_start_loc"][:num_seqs + 1].clone(),
             seq_lens_cpu=t["seq_lens"][:num_seqs].clone())
         input_ids = t["input_ids"][:total].to(dev, non_blocking=True)
-        if fills:
-            assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
-            st.fill_dst[:len(fills)], st.fill_src[:len(fills)] = zip(*fills)
-            dst = t["fill_dst"][:len(fills)].to(dev, non_blocking=True)
-            src = t["fill_src"][:len(fills)].to(dev, non_blocking=True)
+        if fill_src is not None:
+            dst = t["fill_dst"][:len(pending)].to(dev, non_blocking=True)
+            src = t["fill_src"][:len(pending)].to(dev, non_blocking=True)
             input_ids.index_copy_(0, dst, inflight.token_ids[src])
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=input_ids,
             positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
-            logits_indices=t["logits_indices"][:len(logits_indices)].to(dev, non_blocking=True),
-            sample_requests=sample_requests)
+            logits_indices=t["logits_indices"][:num_samples].to(dev, non_blocking=True),
+            sample_requests=sample_requests, sampling_metadata=meta_sampling)
+        if self.mm is not None:
+            # Sequences that compute tokens before the end of their last image run.
+            mm = np.flatnonzero(starts < ib.mm_end[rows])
+            batch.mm_spans = [(ib.row_states[rows[i]], int(starts[i]), int(counts[i]), int(qsl[i]))
+                              for i in mm.tolist()]
+        return batch
 
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         meta = batch.meta
@@ -302,15 +339,16 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> InFlightStep:
         """Enqueues the step (inputs, model, sampler, copies of the results to the host) without
         waiting for the device; `collect` waits for the results."""
+        step_no = self.num_launched
         batch = self.prepare(sched, inflight)
         self.num_launched += 1
-        if self.mm is not None:
-            batch.inputs_embeds = self.mm.step_embeddings(sched, batch.input_ids)
-        step = InFlightStep(sched, batch.sample_requests)
+        if self.mm is not None and batch.mm_spans:
+            batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
+        step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)
         if logits is None:
             return step
-        out = self.sampler(logits, batch.sample_requests)
+        out = self.sampler(logits, batch.sampling_metadata)
         step.token_ids = out.token_ids
         step.needs_sync = out.needs_host_tokens
         # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
@@ -322,22 +360,24 @@ class ModelRunner:
         return step
 
     def collect(self, step: InFlightStep) -> StepResult:
-        """Waits for a launched step and returns its sampled tokens (and logprobs) by request id."""
+        """Waits for a launched step, records its sampled tokens in the persistent batch and returns
+        them (and logprobs) by request id."""
         if step.token_ids is None:
             return StepResult({}, {})
         if step.done is not None:
             step.done.synchronize()
         token_ids, logprob_vals, logprob_ids = step.host
         tokens = token_ids.tolist()
-        ids = [r.request_id for r in step.sample_requests]
+        states = step.sample_requests
+        self.input_batch.record_sampled(states, tokens)
         logprobs = {}
         if logprob_vals is not None:
             vals, tok_ids = logprob_vals.tolist(), logprob_ids.tolist()
-            for i, r in enumerate(step.sample_requests):
+            for i, r in enumerate(states):
                 k = r.sampling_params.logprobs
                 if k is not None:
                     entry = {tok_ids[i][0]: vals[i][0]}
                     for t, v in zip(tok_ids[i][1:1 + k], vals[i][1:1 + k]):
                         entry.setdefault(t, v)
-                    logprobs[r.request_id] = entry
-        return StepResult(dict(zip(ids, tokens)), logprobs)
+                    logprobs[r.req_id] = entry
+        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs)

@@ -160,3 +160,19 @@ def test_async_scheduling_with_stops_penalties_and_seeds(model_dir):
         assert llm.engine.kv_manager.pool.is_whole()
     assert results[0] == results[1]
     assert results[0][0][1] == "stop" and len(results[0][0][0]) == 6
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_that_ends_in_its_first_step_leaves_its_prompt_cached(model_dir, async_scheduling):
+    # max_tokens=1: the prompt's step is the request's last. Its full blocks must still enter the
+    # prefix cache, so the same prompt again finds them.
+    llm = LLM(model_dir, num_blocks=64, async_scheduling=async_scheduling)
+    prompt = prompts_with_shared_prefixes()[1]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    second = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(prompt) > 32 and first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert llm.engine.kv_manager.prefix_hits == second.num_cached_tokens
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.input_batch.num_reqs == 0

@@ -3,14 +3,14 @@
 References are independent: HF transformers greedy runs for correctness, and for reuse the exact
 block arithmetic (which blocks lie wholly before the image, which the prefix cache may serve).
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
 
 from splitserve import LLM, SamplingParams
 from splitserve.multimodal.encoder_cache import EncoderCache
-from splitserve.request import Request, RequestStatus
-from splitserve.sampling_params import SamplingParams as SP
 from tests.multimodal_reference import hf_greedy_mm, hf_processor, make_tiny_llava_dir, mm_tokenizer, random_image
 
 BLOCK = 16
@@ -69,10 +69,9 @@ def test_prefix_cache_reuses_blocks_only_for_the_same_image(setup):
     assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
 
 
-def _request(rid: str, computed: int) -> Request:
-    r = Request(rid, [1] * 100, SP(max_tokens=1))
-    r.status, r.num_computed_tokens = RequestStatus.RUNNING, computed
-    return r
+def _request(rid: str, computed: int):
+    """A running request as the worker's persistent batch shows it to the cache."""
+    return SimpleNamespace(req_id=rid, is_active=True, num_computed_tokens=computed)
 
 
 def test_encoder_cache_is_lru_bounded_and_keeps_what_running_requests_need():
@@ -93,7 +92,7 @@ def test_encoder_cache_is_lru_bounded_and_keeps_what_running_requests_need():
 
     finished = _request("f", computed=0)
     cache.pin("c", finished, end=50)
-    finished.status = RequestStatus.FINISHED_ABORTED  # an aborted request needs nothing
+    finished.is_active = False            # an aborted request (gone from the batch) needs nothing
     assert cache.num_pinned() == 0 and cache.is_whole()
 
 

@@ -18,11 +18,17 @@ def req(rid, n_prompt, **params):
                    max_total_tokens=1000)
 
 
+def scheduled(sched, out):
+    """The step's (request, num tokens) pairs, in batch order."""
+    return [(sched.requests[rid], n) for rid, n in out.num_scheduled_tokens.items()]
+
+
 def launch(sched):
     """schedule + advance, as the engine does when it launches a step; returns (out, samplers)."""
     out = sched.schedule()
-    samplers = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
-    sched.advance(out, samplers)
+    samplers = [r for r, n in scheduled(sched, out) if r.num_computed_tokens + n == r.num_tokens]
+    assert sched.advance(out) == len(samplers)
+    assert all(r.num_pending for r in samplers)
     return out, samplers
 
 
@@ -33,7 +39,7 @@ def step(sched, token=7):
 
 
 def plan(out):
-    return [(r.request_id, n) for r, n in out.scheduled]
+    return list(out.num_scheduled_tokens.items())
 
 
 def test_decode_first_then_chunked_prefill_under_budget():
@@ -67,7 +73,7 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     assert kv.pool.num_free_blocks == 0
     out = step(sched)                            # a's decode needs a new block: b must go
     assert plan(out) == [("a", 1)]
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert out.preempted_req_ids == ["b"]
     b = sched.requests["b"]
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
     assert list(sched.waiting) == [b] and sched.num_preemptions == 1
@@ -81,7 +87,7 @@ def test_lone_request_is_preempted_rather_than_spinning():
     out = step(sched)                            # 8 prompt tokens fill both blocks; 9th token sampled
     assert plan(out) == [("a", 8)]
     out = step(sched)                            # decode needs a third block that does not exist
-    assert plan(out) == [] and [r.request_id for r in out.preempted] == ["a"]
+    assert plan(out) == [] and out.preempted_req_ids == ["a"]
     assert kv.pool.is_whole()
 
 
@@ -211,3 +217,113 @@ def test_blocks_holding_pending_tokens_are_not_cached():
     assert len(a.block_hashes) == 1               # block 2 (positions 4..7) still holds a pending token
     sched.update(out2, {"a": 41})
     assert len(a.block_hashes) == 2 and a.token_slice(4, 8) == [14, 15, 40, 41]
+
+
+# -- the step message: plain data, full request data once, then deltas ------------------------------
+
+def test_step_message_sends_a_request_once_then_block_additions():
+    sched, kv = make(block_size=4)
+    sched.add_request(req("a", 6, temperature=0.5, seed=3))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 6} and out.total_num_scheduled_tokens == 6
+    [new] = out.new_requests
+    a = sched.requests["a"]
+    assert (new.req_id, new.prompt_token_ids, new.num_computed_tokens) == ("a", list(range(10, 16)), 0)
+    assert new.block_ids == a.block_ids and len(new.block_ids) == 2
+    assert new.sampling_params.seed == 3 and new.eos_token_ids == (EOS,)
+    assert not out.cached_requests.req_ids and not out.resumed_requests
+    out = step(sched)                            # position 6 fits in block 2: nothing new to send
+    assert out.num_scheduled_tokens == {"a": 1} and not out.new_requests and not out.cached_requests.req_ids
+    out = step(sched)                            # position 7 still fits
+    assert not out.cached_requests.req_ids
+    out = step(sched)                            # position 8 opens a 3rd block: only that id is sent
+    assert out.cached_requests.req_ids == ["a"] and out.cached_requests.new_block_ids == [a.block_ids[2:]]
+    assert len(a.block_ids) == 3 and not out.new_requests
+
+
+def test_step_message_reports_finished_ids_once():
+    sched, kv = make()
+    for rid in ("s", "r", "w"):
+        sched.add_request(req(rid, 3, max_tokens=1 if rid == "s" else 50))
+    sched.config = SchedulerConfig(2, 100)       # "w" waits: two sequences at most
+    out = step(sched)                            # s ends by length in its first step
+    assert plan(out) == [("s", 3), ("r", 3)] and not out.finished_req_ids
+    sched.finish_requests(["r", "w"], RequestStatus.FINISHED_ABORTED)  # w was never sent: not reported
+    out = sched.schedule()
+    assert out.is_empty and out.has_removals and out.finished_req_ids == ["s", "r"]
+    out = sched.schedule()
+    assert not out.finished_req_ids and not out.has_removals
+    assert kv.pool.is_whole()
+
+
+def test_step_message_preempts_then_resumes_with_a_new_block_table():
+    sched, kv = make(num_blocks=4, block_size=4)
+    sched.add_request(req("a", 8))
+    sched.add_request(req("b", 8))
+    step(sched)
+    out = step(sched)                            # b gives way to a's third block
+    b = sched.requests["b"]
+    assert out.preempted_req_ids == ["b"] and "b" not in out.num_scheduled_tokens
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    out = step(sched)                            # b runs again: resumed, not new, all its 9 tokens recomputed
+    assert out.finished_req_ids == ["a"] and not out.preempted_req_ids
+    assert not out.new_requests and plan(out) == [("b", 9)]
+    [resumed] = out.resumed_requests
+    assert (resumed.req_id, resumed.block_ids, resumed.num_computed_tokens) == ("b", b.block_ids, 0)
+    assert len(b.block_ids) == 3 and b.output_token_ids == [7, 7]
+
+
+def test_resumed_request_starts_after_its_prefix_hits():
+    sched, kv = make(num_blocks=5, block_size=4, caching=True)
+    sched.add_request(req("a", 8))
+    sched.add_request(req("b", 9))
+    step(sched)                                  # a: 2 blocks, b: 3 blocks (9 prompt tokens), 0 free
+    out = step(sched)                            # a needs a 3rd block: b is preempted (its blocks stay cached)
+    assert out.preempted_req_ids == ["b"]
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    out = step(sched)
+    [resumed] = out.resumed_requests
+    assert resumed.num_computed_tokens == 8 and plan(out) == [("b", 2)]  # 2 full blocks hit, 2 tokens to go
+
+
+def test_removals_of_a_message_that_failed_to_launch_go_out_again():
+    sched, kv = make(num_blocks=4, block_size=4)
+    sched.add_request(req("a", 8))
+    sched.add_request(req("b", 8))
+    sched.add_request(req("x", 2))
+    sched.config = SchedulerConfig(2, 100)
+    step(sched)
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    out = sched.schedule()                       # a needs a block: b preempted; this launch fails
+    assert out.preempted_req_ids == ["b"] and plan(out) == [("a", 1)]
+    failed = sched.fail_step(out, RequestStatus.FINISHED_ERROR, launched=False)
+    assert [r.request_id for r in failed] == ["a"] and sched.requests["b"].status == RequestStatus.WAITING
+    out = sched.schedule()                       # the worker never saw the failed message
+    assert out.preempted_req_ids == ["b"] and out.finished_req_ids == ["a"]
+    assert [r.req_id for r in out.resumed_requests] == ["b"]
+
+
+def test_step_message_survives_msgpack():
+    from splitserve.core.sched_output import SchedulerOutput
+    from splitserve.engine.messages import Codec
+    sched, kv = make(block_size=4)
+    sched.add_request(req("a", 6, temperature=0.7, top_p=0.9, seed=5, stop_token_ids=[9]))
+    out = sched.schedule()
+    codec = Codec(SchedulerOutput)
+    back = codec.decode(codec.encode(out))
+    assert back == out and list(back.num_scheduled_tokens) == list(out.num_scheduled_tokens)
+    assert back.new_requests[0].sampling_params == out.new_requests[0].sampling_params
+
+
+# -- the prefix cache -------------------------------------------------------------------------------
+
+def test_request_ending_in_its_first_step_leaves_its_prompt_blocks_cached():
+    sched, kv = make(block_size=4, caching=True)
+    sched.add_request(req("a", 10, max_tokens=1))
+    step(sched)                                  # prefill + the only token: finished and released
+    assert "a" not in sched.requests and kv.pool.is_whole()
+    sched.add_request(req("b", 10, max_tokens=1))
+    out = step(sched)
+    assert kv.prefix_hits == 8                   # both full blocks of the identical prompt
+    assert out.new_requests[0].num_computed_tokens == 8 and plan(out) == [("b", 2)]
+    assert kv.pool.is_whole()

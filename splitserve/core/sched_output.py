@@ -1,0 +1,72 @@
+"""The step message from the scheduler to the worker: plain data, never live objects.
+
+One `SchedulerOutput` per step. It carries a request's full data once, when the worker first sees it
+(`NewRequestData`), and afterwards only what changed: how many tokens each request runs this step
+(`num_scheduled_tokens`, in batch order), blocks appended to running requests' block tables
+(`CachedRequestData`), the ids that left the running batch since the last message (finished: stop,
+length, abort, error; preempted: blocks freed, to be recomputed), and preempted requests scheduled
+again (`ResumedRequestData`). The worker keeps everything else in its persistent batch
+(worker/input_batch.py): token ids (prompt and the tokens it sampled itself), block tables, sampling
+state. Structs are msgspec's, so a message can be encoded once and broadcast to several worker
+processes (engine.messages.Codec handles the image tensors of multimodal items).
+
+Resumption: a preempted request stays known to the worker (its tokens, its seeded generator), out of
+the batch. When it is scheduled again, `ResumedRequestData` gives its new block table (replacing the
+freed one) and its new num_computed_tokens (prefix-cache hits at re-admission, else 0); the worker
+recomputes the rest from the tokens it holds.
+
+The worker applies a message in this order: finished, preempted, new, resumed, block additions; then
+runs `num_scheduled_tokens`. Removals are idempotent (an unknown id is ignored), so a message whose
+step failed to launch can have its removals sent again with the next one.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from splitserve.multimodal.inputs import ImageItem
+from splitserve.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the worker has not seen: everything it needs, sent once."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0       # prefix-cache hits at admission
+    eos_token_ids: tuple[int, ...] = ()  # banned while under min_tokens (unless ignore_eos)
+    mm_items: tuple[ImageItem, ...] = ()
+
+
+class ResumedRequestData(msgspec.Struct, array_like=True):
+    """A preempted request scheduled again: its whole new block table and where computing resumes."""
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Running requests whose block table grew this step (columns: req_ids[i] gains new_block_ids[i])."""
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    step_id: int = 0
+    # Tokens each request runs this step, in batch order (dicts keep insertion order, msgpack too).
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    new_requests: list[NewRequestData] = []
+    resumed_requests: list[ResumedRequestData] = []
+    cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    finished_req_ids: list[str] = []   # left for good since the last message
+    preempted_req_ids: list[str] = []  # blocks freed since the last message; the worker keeps their state
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run (the message may still carry removals)."""
+        return not self.num_scheduled_tokens
+
+    @property
+    def has_removals(self) -> bool:
+        return bool(self.finished_req_ids or self.preempted_req_ids)
