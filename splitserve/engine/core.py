@@ -40,11 +40,6 @@ _FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus
                   "error": RequestStatus.FINISHED_ERROR}
 
 
-def _shape_of(sched) -> tuple[int, tuple[bool, int]]:
-    n = sched.total_num_scheduled_tokens
-    return n, step_shape(n, n == len(sched.num_scheduled_tokens))
-
-
 class EngineDeadError(RuntimeError):
     """The engine cannot run steps any more; the server should report itself unhealthy."""
 
@@ -207,8 +202,10 @@ class EngineCore:
         caller keeps taking requests in, and they join that step."""
         if self.launch_timer is None or self._inflight is None or self._inflight_started is None:
             return None
-        n, shape = _shape_of(self._inflight.sched)
-        return self.launch_timer.deadline(self._inflight_started, shape, n)
+        sched = self._inflight.sched
+        shape = step_shape(sched.total_num_scheduled_tokens,
+                           sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens))
+        return self.launch_timer.deadline(self._inflight_started, shape)
 
     def _time_launch(self, launched, behind, seconds: float) -> None:
         """A launch's host time; and whether the device was still busy with the step before when it
@@ -222,17 +219,15 @@ class EngineCore:
             timer.observe_late()
         elif launched.queued:
             timer.observe_on_time()
-        if timer.num_late + timer.num_on_time >= 5000:
-            logger.info("launch timing: %d of the last launches found the device idle, %d busy; margin %.2f ms",
-                        timer.num_late, timer.num_on_time, timer.margin_s * 1e3)
-            timer.num_late = timer.num_on_time = 0
 
     def _time_device(self, step) -> None:
         if self.launch_timer is None or step.started is None or step.done is None or not step.queued \
                 or not step.done.query():  # (a failed collect leaves it unfinished)
             return
-        n, shape = _shape_of(step.sched)
-        self.launch_timer.observe_device(shape, step.started.elapsed_time(step.done) / 1000.0, n)
+        sched = step.sched
+        shape = step_shape(sched.total_num_scheduled_tokens,
+                           sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens))
+        self.launch_timer.observe_device(shape, step.started.elapsed_time(step.done) / 1000.0)
 
     def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:
         """A failed step fails its requests, not the engine (unless steps keep failing)."""

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 def step_shape(num_tokens: int, pure_decode: bool) -> tuple[bool, int]:
     """The key steps of similar device time share: decode or not, and the token count rounded up to
-    a power of two. Within a key, a decode step's time is taken as constant (17..32 sequences replay
-    similar graphs, bound by reading the weights) and a mixed step's as proportional to its tokens
-    (1,025..2,048 tokens of prompt cost up to twice as much)."""
+    a power of two (decode steps of 17..32 sequences replay similar graphs; prompt time grows with
+    tokens)."""
     return pure_decode, 1 << max(0, num_tokens - 1).bit_length()
 
 
@@ -31,14 +30,12 @@ class LaunchTimer:
         self.min_step_s = min_step_s  # shorter steps: too little to win, too easy to starve the device
         self._device_s: dict[tuple[bool, int], float] = {}
         self._launch_s: float | None = None
-        self.num_late = self.num_on_time = 0  # launches that found the device idle / still busy
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
-    def observe_device(self, shape: tuple[bool, int], seconds: float, num_tokens: int) -> None:
-        per = seconds if shape[0] else seconds / num_tokens
-        self._device_s[shape] = self._ema(self._device_s.get(shape), per)
+    def observe_device(self, shape: tuple[bool, int], seconds: float) -> None:
+        self._device_s[shape] = self._ema(self._device_s.get(shape), seconds)
 
     def observe_launch(self, seconds: float) -> None:
         # The slowest recent launch matters (a late launch starves the device): rise at once, decay slowly.
@@ -47,20 +44,15 @@ class LaunchTimer:
 
     def observe_late(self) -> None:
         """A launch found the device already idle: leave more room from now on."""
-        self.num_late += 1
         self.margin_s = min(self.max_margin_s, self.margin_s + 0.0005)
 
     def observe_on_time(self) -> None:
-        self.num_on_time += 1
         self.margin_s = max(self.base_margin_s, self.margin_s - 0.02 * (self.margin_s - self.base_margin_s))
 
-    def deadline(self, started_at: float, shape: tuple[bool, int], num_tokens: int) -> float | None:
-        """When to launch the step after the one of `shape` (and `num_tokens`) that began on the device
-        at `started_at` (monotonic seconds); None: at once."""
-        per = self._device_s.get(shape)
-        if per is None or self._launch_s is None:
-            return None
-        expected = per if shape[0] else per * num_tokens
-        if expected < self.min_step_s:
+    def deadline(self, started_at: float, shape: tuple[bool, int]) -> float | None:
+        """When to launch the step after the one of `shape` that began on the device at `started_at`
+        (monotonic seconds); None: at once."""
+        expected = self._device_s.get(shape)
+        if expected is None or self._launch_s is None or expected < self.min_step_s:
             return None
         return started_at + expected - self._launch_s - self.margin_s

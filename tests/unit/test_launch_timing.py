@@ -12,55 +12,46 @@ def test_step_shapes_group_similar_steps():
 def test_deadline_is_the_expected_end_less_launch_time_and_margin():
     t = LaunchTimer(margin_s=0.001, smoothing=0.5)
     shape = step_shape(24, True)
-    assert t.deadline(10.0, shape, 24) is None  # nothing known: launch at once
-    t.observe_device(shape, 0.008, 24)
-    assert t.deadline(10.0, shape, 24) is None  # no launch measured yet
+    assert t.deadline(10.0, shape) is None  # nothing known: launch at once
+    t.observe_device(shape, 0.008)
+    assert t.deadline(10.0, shape) is None  # no launch measured yet
     t.observe_launch(0.002)
-    assert abs(t.deadline(10.0, shape, 24) - (10.0 + 0.008 - 0.002 - 0.001)) < 1e-12
-    t.observe_device(shape, 0.010, 24)  # smoothed towards the new time
-    assert abs(t.deadline(10.0, shape, 24) - (10.0 + 0.009 - 0.003)) < 1e-12
-    assert t.deadline(10.0, step_shape(24, False), 24) is None  # another shape is its own
+    assert abs(t.deadline(10.0, shape) - (10.0 + 0.008 - 0.002 - 0.001)) < 1e-12
+    t.observe_device(shape, 0.010)  # smoothed towards the new time
+    assert abs(t.deadline(10.0, shape) - (10.0 + 0.009 - 0.003)) < 1e-12
+    assert t.deadline(10.0, step_shape(24, False)) is None  # another shape is its own
 
 
 def test_launch_time_rises_at_once_and_decays_slowly():
     t = LaunchTimer(margin_s=0.0, smoothing=0.25)
     shape = step_shape(8, True)
-    t.observe_device(shape, 0.02, 8)
+    t.observe_device(shape, 0.02)
     t.observe_launch(0.001)
     t.observe_launch(0.004)
-    assert abs(t.deadline(0.0, shape, 8) - (0.02 - 0.004)) < 1e-12
+    assert abs(t.deadline(0.0, shape) - (0.02 - 0.004)) < 1e-12
     t.observe_launch(0.0)
-    assert abs(t.deadline(0.0, shape, 8) - (0.02 - 0.003)) < 1e-12
+    assert abs(t.deadline(0.0, shape) - (0.02 - 0.003)) < 1e-12
 
 
 def test_short_steps_launch_at_once():
     t = LaunchTimer(min_step_s=0.003)
     shape = step_shape(2, True)
-    t.observe_device(shape, 0.002, 2)
+    t.observe_device(shape, 0.002)
     t.observe_launch(0.0005)
-    assert t.deadline(5.0, shape, 2) is None
+    assert t.deadline(5.0, shape) is None
 
 
 def test_a_late_launch_widens_the_margin_and_on_time_ones_narrow_it_back():
     t = LaunchTimer(margin_s=0.001, max_margin_s=0.002)
     shape = step_shape(8, True)
-    t.observe_device(shape, 0.02, 8)
+    t.observe_device(shape, 0.02)
     t.observe_launch(0.001)
-    before = t.deadline(0.0, shape, 8)
+    before = t.deadline(0.0, shape)
     t.observe_late()
-    assert abs(t.deadline(0.0, shape, 8) - (before - 0.0005)) < 1e-12
+    assert abs(t.deadline(0.0, shape) - (before - 0.0005)) < 1e-12
     for _ in range(5):
         t.observe_late()
     assert t.margin_s == 0.002  # capped
     for _ in range(1000):
         t.observe_on_time()
     assert abs(t.margin_s - 0.001) < 1e-6
-
-
-def test_a_mixed_step_is_predicted_per_token():
-    t = LaunchTimer(margin_s=0.0)
-    shape = step_shape(1100, False)
-    t.observe_device(shape, 0.022, 1100)  # 20 us a token
-    t.observe_launch(0.002)
-    assert abs(t.deadline(0.0, shape, 2000) - (0.040 - 0.002)) < 1e-12
-    assert t.num_late == 0 and t.num_on_time == 0
