@@ -19,7 +19,6 @@ from splitserve.config import CacheConfig, CompileConfig, EngineConfig, ModelCon
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
 from splitserve.engine.fault_injection import install_step_faults
-from splitserve.engine.launch_timing import LaunchTimer, step_shape
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
@@ -109,10 +108,6 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         self._inflight = None  # the launched step whose results are not processed yet
-        # When the in-flight step began on the device (the step before it was collected then), and
-        # when to launch the next one: as late as its predicted end allows (launch_timing.py).
-        self._inflight_started: float | None = None
-        self.launch_timer = LaunchTimer() if self.async_scheduling and device.startswith("cuda") else None
         self._failed_steps_in_a_row = 0
         self.num_received = 0
         # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
@@ -170,7 +165,6 @@ class EngineCore:
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
             outputs += self._process(inflight)
             inflight = None
-        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             try:
@@ -181,53 +175,15 @@ class EngineCore:
                 num_samples = self.scheduler.advance(sched)
                 assert num_samples == len(launched.sample_requests), "scheduler and worker disagree on who samples"
                 self._inflight = launched
-                self._time_launch(launched, inflight, time.perf_counter() - started)
         elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
             self.runner.update_states(sched)
         if inflight is not None:
             outputs += self._process(inflight)
-            self._inflight_started = time.monotonic()  # the launched step runs from here on
-            self._time_device(inflight)
-        elif self._inflight is not None:
-            self._inflight_started = time.monotonic()  # launched onto an idle device
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
         self._flush_removals()
         return outputs
-
-    # -- launch timing (async scheduling on CUDA) -------------------------------------------------
-    def next_launch_at(self) -> float | None:
-        """time.monotonic() at which the next step should be launched; None: now. Until then the
-        caller keeps taking requests in, and they join that step."""
-        if self.launch_timer is None or self._inflight is None or self._inflight_started is None:
-            return None
-        sched = self._inflight.sched
-        shape = step_shape(sched.total_num_scheduled_tokens,
-                           sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens))
-        return self.launch_timer.deadline(self._inflight_started, shape)
-
-    def _time_launch(self, launched, behind, seconds: float) -> None:
-        """A launch's host time; and whether the device was still busy with the step before when it
-        ended (if not, the launch came late, and the new step's device time includes idling)."""
-        timer = self.launch_timer
-        if timer is None:
-            return
-        timer.observe_launch(seconds)
-        launched.queued = behind is not None and behind.done is not None and not behind.done.query()
-        if behind is not None and not launched.queued:
-            timer.observe_late()
-        elif launched.queued:
-            timer.observe_on_time()
-
-    def _time_device(self, step) -> None:
-        if self.launch_timer is None or step.started is None or step.done is None or not step.queued \
-                or not step.done.query():  # (a failed collect leaves it unfinished)
-            return
-        sched = step.sched
-        shape = step_shape(sched.total_num_scheduled_tokens,
-                           sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens))
-        self.launch_timer.observe_device(shape, step.started.elapsed_time(step.done) / 1000.0)
 
     def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:
         """A failed step fails its requests, not the engine (unless steps keep failing)."""

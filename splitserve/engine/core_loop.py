@@ -56,39 +56,26 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
         out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead)), copy=False)
         last_stats = stats
 
-    def take_input(timeout_ms: float) -> bool:
-        """Applies what arrives within timeout_ms, in order (an abort after its add finds it);
-        returns whether Shutdown came."""
-        if not poller.poll(timeout_ms):
-            return False
-        while True:
-            try:
-                msg = decoder.decode(inp.recv(zmq.NOBLOCK, copy=False).buffer)
-            except zmq.Again:
-                return False
-            if isinstance(msg, AddRequests):
-                for req in msg.requests:
-                    core.add_request(req)
-            elif isinstance(msg, AbortRequests):
-                core.abort_requests(msg.request_ids, msg.reason)
-            elif isinstance(msg, Shutdown):
-                return True
-
-    next_launch_at = getattr(core, "next_launch_at", lambda: None)
     while True:
         busy = core.has_unfinished_requests()
-        if not busy:
-            stop = take_input(_IDLE_POLL_MS)
-            if not stop and not core.has_unfinished_requests() and parent_pid is not None \
-                    and os.getppid() != parent_pid:
-                logger.error("the front process is gone; the engine core exits")
-                return 1
-        else:
-            stop = take_input(_BACKOFF_MS if backoff else 0)
-            # Launch the next step as late as the device allows; what arrives meanwhile joins it.
-            deadline = next_launch_at()
-            while not stop and deadline is not None and (left := deadline - time.monotonic()) > 0:
-                stop = take_input(int(left * 1000))  # whole milliseconds, then polls without waiting
+        timeout = (_BACKOFF_MS if backoff else 0) if busy else _IDLE_POLL_MS
+        stop = False
+        if poller.poll(timeout):
+            while True:  # everything that has arrived, in order (an abort after its add finds it)
+                try:
+                    msg = decoder.decode(inp.recv(zmq.NOBLOCK, copy=False).buffer)
+                except zmq.Again:
+                    break
+                if isinstance(msg, AddRequests):
+                    for req in msg.requests:
+                        core.add_request(req)
+                elif isinstance(msg, AbortRequests):
+                    core.abort_requests(msg.request_ids, msg.reason)
+                elif isinstance(msg, Shutdown):
+                    stop = True
+        elif not busy and parent_pid is not None and os.getppid() != parent_pid:
+            logger.error("the front process is gone; the engine core exits")
+            return 1
         if stop:
             return 0
         backoff = False

@@ -22,10 +22,8 @@ def step_shape(num_tokens: int, pure_decode: bool) -> tuple[bool, int]:
 
 
 class LaunchTimer:
-    def __init__(self, margin_s: float = 0.0007, smoothing: float = 0.25, min_step_s: float = 0.003,
-                 max_margin_s: float = 0.004):
-        self.base_margin_s = self.margin_s = margin_s
-        self.max_margin_s = max_margin_s
+    def __init__(self, margin_s: float = 0.0007, smoothing: float = 0.25, min_step_s: float = 0.003):
+        self.margin_s = margin_s
         self.smoothing = smoothing
         self.min_step_s = min_step_s  # shorter steps: too little to win, too easy to starve the device
         self._device_s: dict[tuple[bool, int], float] = {}
@@ -41,13 +39,6 @@ class LaunchTimer:
         # The slowest recent launch matters (a late launch starves the device): rise at once, decay slowly.
         self._launch_s = seconds if self._launch_s is None or seconds > self._launch_s else \
             self._ema(self._launch_s, seconds)
-
-    def observe_late(self) -> None:
-        """A launch found the device already idle: leave more room from now on."""
-        self.margin_s = min(self.max_margin_s, self.margin_s + 0.0005)
-
-    def observe_on_time(self) -> None:
-        self.margin_s = max(self.base_margin_s, self.margin_s - 0.02 * (self.margin_s - self.base_margin_s))
 
     def deadline(self, started_at: float, shape: tuple[bool, int]) -> float | None:
         """When to launch the step after the one of `shape` that began on the device at `started_at`

@@ -58,8 +58,6 @@ class InFlightStep:
     token_ids: torch.Tensor | None = None
     host: tuple = ()  # (token ids, logprobs, logprob ids) on the host, copied without blocking
     done: torch.cuda.Event | None = None
-    started: torch.cuda.Event | None = None  # recorded before its first copy: done - started = device time
-    queued: bool = False  # launched while the step before still ran (its device time is then pure)
     needs_sync: bool = False  # the next step must see these tokens on the host (penalties)
 
 
@@ -342,15 +340,11 @@ class ModelRunner:
         """Enqueues the step (inputs, model, sampler, copies of the results to the host) without
         waiting for the device; `collect` waits for the results."""
         step_no = self.num_launched
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
         batch = self.prepare(sched, inflight)
         self.num_launched += 1
         if self.mm is not None and batch.mm_spans:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
-        step = InFlightStep(sched, batch.sample_requests, step_no, started=started)
+        step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)
         if logits is None:
             return step
@@ -361,7 +355,7 @@ class ModelRunner:
         step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
                           for x in (out.token_ids, out.logprobs, out.logprob_ids))
         if self.device.type == "cuda":
-            step.done = torch.cuda.Event(enable_timing=True)
+            step.done = torch.cuda.Event()
             step.done.record()
         return step
 
