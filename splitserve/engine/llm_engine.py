@@ -119,7 +119,9 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.front.output_processor.has_unfinished()
+        """Requests not finished yet, or a launched step not collected yet (stepping on flushes it, so
+        no step is left running over blocks that finished requests gave back)."""
+        return self.front.output_processor.has_unfinished() or self.core.has_unfinished_requests()
 
     @property
     def num_running(self) -> int:
