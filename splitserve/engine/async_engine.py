@@ -116,9 +116,7 @@ class _CorePlacement:
                 self.process.join(5)
 
     def close(self) -> None:
-        self.input.close(0)
-        self.output.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes both sockets (a core thread that never ended cannot block this)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -285,12 +283,11 @@ class AsyncLLMEngine:
             except (zmq.Again, zmq.ZMQError):  # the core is gone; its loss is reported elsewhere
                 logger.warning("could not send %s to the engine core", type(msg).__name__)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    prompt_ids: list[int] | None = None) -> RequestStream:
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Validates and queues a request; returns its stream. Raises at once (before anything is
         queued) with ValueError for bad input, EngineOverloadedError when the queue is full and
-        EngineShutdownError when stopping. Must be called on the event loop thread. `prompt_ids`:
-        the prompt already tokenized and validated (by the caller, off the loop)."""
+        EngineShutdownError when stopping. Must be called on the event loop thread; the server hands
+        over token ids, tokenized off the loop."""
         self.start()
         if self._dead is not None:
             raise EngineShutdownError(f"the engine has stopped after an error: {self._dead}")
@@ -308,7 +305,7 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request_id, core_requests = self.front.new_request(request_id, prompt, params, prompt_ids=prompt_ids)
+        request_id, core_requests = self.front.new_request(request_id, prompt, params)
         stream = RequestStream(request_id, core_requests[0].arrival_time)
         self._streams[request_id] = stream
         self._num_sent += len(core_requests)

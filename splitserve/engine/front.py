@@ -101,19 +101,15 @@ class EngineFront:
         return min(total, self.kv_capacity_tokens)
 
     def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True,
-                    prompt_ids: list[int] | None = None) -> tuple[str, list[EngineCoreRequest]]:
+                    arrival_time: float | None = None, stream: bool = True) -> tuple[str, list[EngineCoreRequest]]:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
         id with the core requests of its sequences (one, or n for parallel samples)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if prompt_ids is None:
-            prompt_ids = self.tokenize_prompt(prompt)
-            total = self.validate(prompt_ids, params)
-        else:  # tokenized and validated by the caller
-            total = self._cap(prompt_ids, params)
+        prompt_ids = self.tokenize_prompt(prompt)
+        total = self.validate(prompt_ids, params)
         arrival = arrival_time or time.monotonic()
         eos = self.config.model.eos_token_ids
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
@@ -122,8 +118,3 @@ class EngineFront:
         mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items)
                             for c in state.children]
-
-    def _cap(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        limit = self.config.model.max_model_len
-        total = limit if params.max_tokens is None else len(prompt_ids) + params.max_tokens
-        return min(total, self.kv_capacity_tokens)

@@ -1,7 +1,6 @@
 """From sampled token ids to user-facing outputs: incremental detokenization, stop strings, n-way fan-in."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from splitserve.sampling_params import SamplingParams
@@ -268,7 +267,3 @@ class OutputProcessor:
         for c in state.children:
             self.children.pop(c.request_id, None)
         return out
-
-
-def now() -> float:
-    return time.monotonic()
