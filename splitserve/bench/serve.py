@@ -214,7 +214,9 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, sample: Samp
                         res.usage_reported = True
                     text, finished, tokens = _chunk_text(chunk, chat)
                     ended = ended or finished
-                    if tokens:
+                    # The first token is the first text (an empty opening chunk is no token; so TTFT
+                    # never flatters a server); after it, every token event counts, text or not.
+                    if text or (tokens and last is not None):
                         if last is None:
                             res.ttft = now - t0
                         else:
