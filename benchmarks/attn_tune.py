@@ -38,8 +38,9 @@ def make(seqs, dtype=torch.bfloat16):
     seq_lens = [p + q for p, q in seqs]
     blocks_per = [triton.cdiv(s, BS) for s in seq_lens]
     num_blocks = sum(blocks_per) + 8
-    cache = torch.randn(num_blocks, 2, BS, HKV, D, dtype=dtype, device=dev)
-    perm = torch.randperm(num_blocks - 1, device=dev).int() + 1
+    gen = torch.Generator(device=dev).manual_seed(0)
+    cache = torch.randn(num_blocks, 2, BS, HKV, D, dtype=dtype, device=dev, generator=gen)
+    perm = torch.randperm(num_blocks - 1, device=dev, generator=gen).int() + 1
     width = max(blocks_per)
     table = torch.zeros(len(seqs), width, dtype=torch.int32, device=dev)
     off = 0
@@ -48,7 +49,7 @@ def make(seqs, dtype=torch.bfloat16):
         off += nb
     qlens = [q for _, q in seqs]
     qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), HQ, D, dtype=dtype, device=dev)
+    q = torch.randn(int(qsl[-1]), HQ, D, dtype=dtype, device=dev, generator=gen)
     meta = AttentionMetadata(slot_mapping=torch.empty(0), query_start_loc=qsl.to(dev),
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_tables=table,
                              max_query_len=max(qlens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl,

@@ -35,7 +35,7 @@ def device_ops(g: torch.cuda.CUDAGraph) -> int:
 
 
 def matmul_floor() -> None:
-    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(0))
     layers = [{"qkv": torch.randn(6144, HIDDEN, **bf16) * .02, "o": torch.randn(HIDDEN, HIDDEN, **bf16) * .02,
                "gate_up": torch.randn(2 * INTER, HIDDEN, **bf16) * .02, "down": torch.randn(HIDDEN, INTER, **bf16) * .02}
               for _ in range(LAYERS)]
@@ -72,9 +72,10 @@ def matmul_floor() -> None:
 
 def attention_floor() -> None:
     num_blocks = 4096 // BLOCK + 2
-    q = torch.randn(2, HQ, D, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     tables = (torch.arange(2 * num_blocks, device="cuda", dtype=torch.int32) % num_blocks).view(2, num_blocks)
-    caches = [torch.randn(num_blocks, 2, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    caches = [torch.randn(num_blocks, 2, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
     for ctx in (200, 384, 1024, 4000):
         seq_lens = torch.tensor([ctx, 0], device="cuda", dtype=torch.int32)
         row = []

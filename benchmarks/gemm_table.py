@@ -32,13 +32,14 @@ def main() -> None:
     ap.add_argument("--rows", default="512,1000,1024,2048,3000,4096,8192,16384")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(5)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(5)]
                for name, (k, n) in SHAPES.items()}
     print(f"{'rows':>6} {'shape':>8} {'cublas ms':>10} {'TFLOP/s':>8} {'lt ms':>8} {'TFLOP/s':>8}")
     for m in (int(v) for v in args.rows.split(",")):
         totals = {"cublas": 0.0, "cublaslt": 0.0, "best": 0.0}
         for name, (k, n) in SHAPES.items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             t = {lib: time_linear(x, weights[name], lib) for lib in ("cublas", "cublaslt")}
             flops = 2 * m * k * n
             print(f"{m:6d} {name:>8} {t['cublas']:10.4f} {flops / t['cublas'] / 1e9:8.0f} "

@@ -96,7 +96,7 @@ def named_tokenizer_class(directory: str):
 
     Why not always AutoTokenizer: importing it imports transformers' auto-model machinery (on the GPU
     image that pulls in torch.distributed.tensor, scikit-learn and dynamo: ~9 s of start-up), and for
-    a generic class it resolves to that same class (tests/unit/test_tokenizer_class.py checks it)."""
+    a generic class it resolves to that same class (tests/models/test_tokenizer_class.py checks it)."""
     cfg, model_cfg = _read_json(directory, "tokenizer_config.json"), _read_json(directory, "config.json")
     if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in _GENERIC_TOKENIZER_CLASSES \
             or cfg.get("auto_map") or not os.path.exists(os.path.join(directory, "tokenizer.json")):

@@ -4,7 +4,7 @@ Why: importing `transformers.LlamaConfig` imports much of transformers with it (
 torchvision, torch._dynamo through it, scikit-learn; ~10 s of a 60 s cold start), and the engine
 reads only a dozen plain fields. A config is read natively only when every field whose default
 differs between the Llama, Mistral and Qwen2 config classes is written out in the file; any other
-config goes through `AutoConfig` as before. `tests/unit/test_text_config.py` checks the fields the
+config goes through `AutoConfig` as before. `tests/models/test_text_config.py` checks the fields the
 engine reads against transformers on the same files.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ parent has initialised CUDA is safe. When the parent later launches the same ker
 them on disk.
 
 Nothing depends on the children: if one fails, is slow, or the cache is off, the parent compiles
-that kernel itself as before. tests/unit/test_kernel_precompile.py checks on CPU that kernels
+that kernel itself as before. tests/startup/test_kernel_precompile.py checks on CPU that kernels
 compiled this way are cache hits for launches on real tensors.
 """
 from __future__ import annotations

@@ -83,7 +83,7 @@ def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
     length class of the attention kernel (powers of two up to its largest query block) and a long
     prefill, each fresh and with context before it (prefix hits, later chunks, decode rows in a mixed
     step), which picks other K/V tiles. No step of a single token: Inductor would specialise on it.
-    tests/unit/test_warm_up.py checks they reach every kernel variant a step can pick."""
+    tests/worker/test_warm_up.py checks they reach every kernel variant a step can pick."""
     layouts = []
     for q_len in sorted({1, 2, 4, 8, 16, 32, 64, min(budget, 512)}):
         num_seqs = max(1, min(budget, 256) // q_len) if q_len < 16 else 1

@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 import torch
 
 from splitserve.layers.sampler import PenaltyRow, Sampler, SamplingMetadata
@@ -53,15 +54,24 @@ def meta(rows: list[Row]) -> SamplingMetadata:
     return m
 
 
+@pytest.fixture(autouse=True)
+def _seeded_global_rng():
+    """A request without a seed draws from torch's global RNG: seeded for each test, and restored after
+    it, so what a test samples does not depend on which tests ran before it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
 def test_greedy_is_argmax():
-    logits = torch.randn(4, V)
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
     out = Sampler()(logits, meta([req(str(i), temperature=0) for i in range(4)]))
     assert out.token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_seeded_request_is_independent_of_the_batch():
-    torch.manual_seed(0)
-    row = torch.randn(V)
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(V, generator=g)
     alone = req("s", seed=123, temperature=1.0)
     seq_alone = [Sampler()(row[None].clone(), meta([alone])).token_ids.item() for _ in range(20)]
     mixed = req("s", seed=123, temperature=1.0)
@@ -69,7 +79,7 @@ def test_seeded_request_is_independent_of_the_batch():
     seq_mixed = []
     for _ in range(20):
         batch = [others[0], mixed, others[1], others[2]]
-        logits = torch.randn(4, V)
+        logits = torch.randn(4, V, generator=g)
         logits[1] = row
         seq_mixed.append(Sampler()(logits, meta(batch)).token_ids[1].item())
     assert seq_alone == seq_mixed
@@ -77,13 +87,13 @@ def test_seeded_request_is_independent_of_the_batch():
 
 
 def test_truncations_reduce_to_argmax_when_extreme():
-    logits = torch.randn(3, V)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
     batch = [req("k", top_k=1), req("p", top_p=1e-6), req("m", min_p=1.0)]
     assert Sampler()(logits, meta(batch)).token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_keeps_only_k_tokens():
-    logits = torch.randn(1, V)
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0))
     allowed = set(logits[0].topk(3).indices.tolist())
     r = req("k", top_k=3, temperature=5.0)
     got = {Sampler()(logits, meta([r])).token_ids.item() for _ in range(200)}
@@ -101,7 +111,7 @@ def test_sampling_follows_the_distribution():
 
 def test_repetition_penalty_matches_transformers():
     from transformers import RepetitionPenaltyLogitsProcessor
-    logits = torch.randn(1, V)
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0))
     r = req("r", prompt=(4, 5, 6), output=(7, 5), repetition_penalty=1.3, temperature=0)
     ours = Sampler._apply_penalties(logits, meta([r]).penalties)
     ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([[4, 5, 6, 7, 5]]), logits.clone())
@@ -130,7 +140,7 @@ def test_min_tokens_blocks_eos_and_stop_ids():
 
 
 def test_logprobs_are_of_the_raw_distribution():
-    logits = torch.randn(2, V)
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(0))
     batch = [req("a", logprobs=3, temperature=0), req("b", temperature=0)]
     out = Sampler()(logits, meta(batch))
     ref = torch.log_softmax(logits, -1)
@@ -143,8 +153,7 @@ def test_logprobs_are_of_the_raw_distribution():
 def test_bf16_logits_sample_as_their_fp32_values():
     """The model hands over logits in its own dtype: a greedy batch takes their argmax directly, the
     rest is computed in fp32 from the exact conversion, so results equal those of fp32 logits."""
-    torch.manual_seed(1)
-    logits = torch.randn(6, V).bfloat16()
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1)).bfloat16()
     logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins either way
     exact = logits.float()
     greedy = [req(str(i), temperature=0) for i in range(6)]

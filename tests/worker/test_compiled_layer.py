@@ -11,13 +11,13 @@ from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
 def test_o_proj_residual_add_is_not_turned_into_addmm():
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=2, num_hidden_layers=1, vocab_size=100)
-    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
     rotary = RotaryEmbedding(16, 64, rope_parameters(cfg))
     layer = LlamaDecoderLayer(cfg, 0, False, rotary)
     for p in layer.parameters():
-        p.data.normal_(0, 0.1)
+        p.data.normal_(0, 0.1, generator=g)
     layer = layer.to(torch.bfloat16)
-    attn_out, residual = (torch.randn(7, 64, dtype=torch.bfloat16) for _ in range(2))
+    attn_out, residual = (torch.randn(7, 64, dtype=torch.bfloat16, generator=g) for _ in range(2))
     with torch.inference_mode():
         eager = layer.attn_outputs(attn_out, residual)
         compiled, codes = run_and_get_code(torch.compile(layer.attn_outputs, fullgraph=True), attn_out, residual)

@@ -43,8 +43,9 @@ def test_warm_up_steps_run_and_leave_the_cache_untouched(tmp_path):
     llm = LLM(make_tiny_llama_dir(tmp_path, load_tokenizer(None), num_kv_heads=2, tie=False),
               num_blocks=64, max_num_batched_tokens=128)
     runner = llm.engine.runner
+    g = torch.Generator(device=runner.kv_caches[0].device).manual_seed(0)
     for cache in runner.kv_caches:
-        cache.normal_()
+        cache.normal_(generator=g)
     before = [c.clone() for c in runner.kv_caches]
     runner._warm_up_eager()
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))

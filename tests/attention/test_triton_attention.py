@@ -185,7 +185,8 @@ def test_ragged_causality_and_isolation():
 def test_ragged_padded_rows_not_written():
     """Rows past query_start_loc[-1] (graph padding) are not owned by any sequence: left as they were."""
     q, cache, meta = make_batch([(10, 4), (3, 1)], num_kv_heads=2, group=1, head_dim=64, dtype=torch.float32)
-    q_pad = torch.cat([q, torch.randn(3, *q.shape[1:], device=DEVICE)])
+    g = torch.Generator().manual_seed(3)
+    q_pad = torch.cat([q, torch.randn(3, *q.shape[1:], generator=g).to(DEVICE)])
     out = torch.full_like(q_pad, 7.0)
     ragged_paged_attention(q_pad, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                            meta.max_query_len, meta.max_seq_len, 0.125, out=out)
@@ -221,7 +222,8 @@ def test_decode_split_k_low_precision(dtype):
 def test_decode_zero_length_padding_sequence():
     """A padded decode slot (seq_len 0, as in a captured graph batch) yields zeros, not NaN."""
     q, cache, meta = make_batch([(40, 1), (9, 1)], num_kv_heads=2, group=1, head_dim=64, dtype=torch.float32)
-    q_pad = torch.cat([q, torch.randn(1, *q.shape[1:], device=DEVICE)])
+    g = torch.Generator().manual_seed(4)
+    q_pad = torch.cat([q, torch.randn(1, *q.shape[1:], generator=g).to(DEVICE)])
     seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
     bt = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
     ref = paged_attention_ref(q, cache, meta, 0.125)
