@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 import zmq
 
 from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreToFront, CoreReady, EngineCoreOutputs,
@@ -274,14 +275,16 @@ class AsyncLLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def _send(self, msg) -> None:
+        self._send_bytes(self._to_core.encode(msg), type(msg).__name__)
+
+    def _send_bytes(self, data: bytes, what: str = "AddRequests") -> None:
         if self._dead is not None and not self._placement.alive():
             return  # nobody to tell
-        data = self._to_core.encode(msg)
         with self._send_lock:
             try:
                 self._placement.input.send(data)
             except (zmq.Again, zmq.ZMQError):  # the core is gone; its loss is reported elsewhere
-                logger.warning("could not send %s to the engine core", type(msg).__name__)
+                logger.warning("could not send %s to the engine core", what)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Validates and queues a request; returns its stream. Raises at once (before anything is
@@ -306,10 +309,15 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         request_id, core_requests = self.front.new_request(request_id, prompt, params)
+        try:
+            data = self._to_core.encode(AddRequests(core_requests))
+        except (msgspec.EncodeError, OverflowError) as e:  # e.g. a seed beyond 64 bits
+            self.front.output_processor.abort(request_id)
+            raise ValueError(f"the request has a value the engine cannot take: {e}") from None
         stream = RequestStream(request_id, core_requests[0].arrival_time)
         self._streams[request_id] = stream
         self._num_sent += len(core_requests)
-        self._send(AddRequests(core_requests))
+        self._send_bytes(data)
         return stream
 
     def abort(self, request_id: str) -> None:

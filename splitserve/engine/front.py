@@ -105,6 +105,9 @@ class EngineFront:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
         id with the core requests of its sequences (one, or n for parallel samples)."""
         params = params or SamplingParams()
+        vocab = self.config.model.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
+            params = dataclasses.replace(params, stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
