@@ -134,7 +134,7 @@ def test_async_scheduling_gives_the_same_tokens(model_dir, baseline, engine_kwar
     # Each step is scheduled and launched before the previous step's tokens are read on the host.
     engine, tokens = run(model_dir, prompts_with_shared_prefixes(), async_scheduling=True, **engine_kwargs)
     assert tokens == baseline
-    assert engine.kv_manager.pool.is_whole() and engine._inflight is None
+    assert engine.kv_manager.pool.is_whole() and engine.core._inflight is None
     # A second pass hits the prefix cache; blocks registered under async scheduling are sound.
     assert [o.outputs[0].token_ids for o in engine_generate(engine, prompts_with_shared_prefixes())] == baseline
     assert engine.kv_manager.pool.is_whole()
