@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from splitserve.core.scheduler import Scheduler
 from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
+from splitserve.models.generation_config import sampling_defaults
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, resolve_model
@@ -39,6 +40,17 @@ _FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus
                   "error": RequestStatus.FINISHED_ERROR}
 
 
+def seed_everything(seed: int) -> None:
+    """Seeds what unseeded sampling draws from (torch's generators, CUDA's included) and Python's and
+    numpy's, as vLLM's --seed does."""
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot run steps any more; the server should report itself unhealthy."""
 
@@ -49,11 +61,28 @@ class ModelSpec:
     source: ModelSource
     config: EngineConfig
     model_name: str
+    # Every name clients may send (model_name is the first); where the tokenizer comes from; the
+    # sampling defaults of the model's generation config (models/generation_config.py).
+    served_model_names: tuple[str, ...] = ()
+    tokenizer_source: ModelSource | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is visible to torch (torch {torch.__version__}"
+                         f"{', built without CUDA' if torch.version.cuda is None else ''}); use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"--device must be cuda, cuda:N or cpu, got {device!r}")
 
 
 def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device)
     source = resolve_model(args.model)
+    tokenizer_source = resolve_model(args.tokenizer) if args.tokenizer else None
+    defaults = sampling_defaults(args.generation_config, source.directory, bool(source.gguf_file),
+                                 args.override_generation_config)
     hf_config = load_hf_config(source)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -71,7 +100,8 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
-    return ModelSpec(source, config, args.served_model_name or source.name)
+    names = tuple(args.served_model_name or (source.name,))
+    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults)
 
 
 class EngineCore:
@@ -110,10 +140,13 @@ class EngineCore:
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
         self.num_received = 0
+        self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
         # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
         # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
         # them out of the collector's view (what start-up left as garbage stays: a little memory).
         gc.freeze()
+        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
+            seed_everything(args.seed)
         logger.info("engine core ready: %s on %s, %s, backend %s", m.architecture, device, m.dtype,
                     config.attention_backend)
 
@@ -166,6 +199,7 @@ class EngineCore:
             outputs += self._process(inflight)
             inflight = None
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.total_num_scheduled_tokens
         if not sched.is_empty:
             try:
                 launched = self.runner.launch(sched, inflight)
@@ -210,6 +244,8 @@ class EngineCore:
             out = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
                                    None if lp is None else [lp], request.status.finish_reason,
                                    request.stop_reason, request.num_cached_tokens)
+            if lp is not None:
+                out.new_logprob_ranks = [result.logprob_ranks.get(request.request_id, 0)]
             if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
                 out.queue_time = request.first_scheduled_time - request.arrival_time
             outputs.append(out)

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
+    if spec.tokenizer_source is not None:  # --tokenizer
+        return load_tokenizer(spec.tokenizer_source)
     try:
         return load_tokenizer(spec.source)
     except (OSError, ValueError):
@@ -53,6 +55,9 @@ class EngineFront:
                  stream_interval: int = 1):
         self.source = spec.source
         self.model_name = spec.model_name
+        self.served_model_names = spec.served_model_names or (spec.model_name,)
+        # SamplingParams fields a request that leaves them unset takes (the generation config's).
+        self.sampling_defaults = dict(spec.sampling_defaults)
         self.tokenizer = tokenizer
         eos = set(spec.config.model.eos_token_ids)
         if tokenizer.eos_token_id is not None:

@@ -64,6 +64,14 @@ class LLMEngine:
         return self.front.model_name
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.front.served_model_names
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.front.sampling_defaults
+
+    @property
     def source(self):
         return self.front.source
 

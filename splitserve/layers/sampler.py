@@ -23,6 +23,7 @@ class SamplerOutput:
     token_ids: torch.Tensor                  # [B] int64
     logprobs: torch.Tensor | None = None     # [B, 1 + k]: sampled token's logprob, then the top k
     logprob_ids: torch.Tensor | None = None  # [B, 1 + k] the matching token ids
+    logprob_ranks: torch.Tensor | None = None  # [B] the sampled token's rank by logprob (1: the likeliest)
     # Penalties read a request's previous tokens on the host: the next step cannot be launched
     # before these tokens are known there.
     needs_host_tokens: bool = False
@@ -68,6 +69,7 @@ class Sampler:
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, tokens[:, None])
             ids = tokens[:, None]
+            out.logprob_ranks = (raw_logprobs > chosen).sum(1) + 1
             if num_top > 0:
                 top_vals, top_ids = raw_logprobs.topk(num_top, dim=-1)
                 chosen, ids = torch.cat([chosen, top_vals], 1), torch.cat([ids, top_ids], 1)

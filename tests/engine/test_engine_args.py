@@ -190,8 +190,9 @@ def test_bench_throughput_and_generate_take_the_engine_options():
     parser = cli.build_parser()
     ns = parser.parse_args(["bench", "throughput", "cfg", "--random-weights", "--no-prefix-caching",
                             "--input-len", "8", "--seed", "3"])
+    # --seed is the engine's seed there too (and the prompts' seed of the benchmark)
     assert EngineArgs.from_namespace(ns) == EngineArgs(model="cfg", random_weights=True,
-                                                       enable_prefix_caching=False)
+                                                       enable_prefix_caching=False, seed=3)
     ns = parser.parse_args(["generate", "--prompt", "hi", "--cpu-kv-cache-gib", "0.5"])
     assert EngineArgs.from_namespace(ns).cpu_kv_cache_gib == 0.5
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 from pydantic.types import FailFast
 
+from splitserve.models.generation_config import apply_defaults
 from splitserve.sampling_params import SamplingParams
 
 # n fans a request out into n sequences; a cap keeps one request from flooding the engine.
@@ -124,19 +125,24 @@ class _SamplingRequest(_Request):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict | None = None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
 
+        # What the request leaves unset comes from the model's generation config (when the server
+        # has one), then from SamplingParams' own defaults.
+        given = apply_defaults(defaults or {}, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens)
         try:
             return SamplingParams(
-                n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+                n=self.n, temperature=given.get("temperature", 1.0), top_p=given.get("top_p", 1.0),
                 # The sampler caps top_k at the vocabulary; capping here keeps it a machine int.
-                top_k=min(pick(self.top_k, 0), _TOP_K_CAP), min_p=pick(self.min_p, 0.0),
+                top_k=min(given.get("top_k", 0), _TOP_K_CAP), min_p=given.get("min_p", 0.0),
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
-                stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                repetition_penalty=given.get("repetition_penalty", 1.0), seed=self.seed, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, max_tokens=given.get("max_tokens"), min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output)
         except ValueError as e:
@@ -157,13 +163,13 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_common()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a batch), each text or token ids."""
@@ -203,7 +209,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_common()
         if self.tools or self.tool_choice not in (None, "none"):
             raise APIError(400, "tool calling is not supported", param="tools")
@@ -213,7 +219,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class TokenizeRequest(_Request):
