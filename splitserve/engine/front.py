@@ -58,6 +58,9 @@ class EngineFront:
         self.served_model_names = spec.served_model_names or (spec.model_name,)
         # SamplingParams fields a request that leaves them unset takes (the generation config's).
         self.sampling_defaults = dict(spec.sampling_defaults)
+        if self.sampling_defaults:
+            logger.info("requests default to the model's generation config: %s (--generation-config vllm "
+                        "turns this off)", ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.tokenizer = tokenizer
         eos = set(spec.config.model.eos_token_ids)
         if tokenizer.eos_token_id is not None:

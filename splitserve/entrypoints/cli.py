@@ -69,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (default: off)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     EngineArgs.add_cli_args(chat)
     add_sampling_args(chat)
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")

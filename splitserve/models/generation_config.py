@@ -14,11 +14,8 @@ many files carry only because transformers writes it, does not turn top-k sampli
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # generation_config.json key -> SamplingParams field
 _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -79,9 +76,6 @@ def sampling_defaults(mode: str, model_dir: str | None, is_gguf: bool = False,
                                  f"{', '.join(sorted(_FIELDS))}")
             _check_value(field, value, "--override-generation-config")
             defaults[field] = value
-    if defaults:
-        logger.info("request defaults from the generation config: %s (--generation-config vllm turns "
-                    "them off)", ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
     return defaults
 
 

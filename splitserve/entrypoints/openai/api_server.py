@@ -230,8 +230,14 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
             return _error_response(overloaded(f"the engine has stopped: {async_engine.dead_error}"))
         return Response(status_code=200)
 
-    # SageMaker's health probe (vLLM answers it the same way as /health).
-    app.add_api_route("/ping", health, methods=["GET", "POST"], response_class=Response)
+    # SageMaker's health probe (vLLM answers it the same way as /health), by GET or POST.
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
+        return await health()
 
     @app.get("/load")
     async def load() -> dict:
