@@ -40,14 +40,16 @@ def t(a, dtype=None):
     return out if dtype is None else out.to(dtype)
 
 
-def pack_loop(values, bits, axis):
-    """uint values -> int32 words along `axis`, value j of a word at bits [bits*j, bits*j + bits)."""
+def pack_loop(values, bits, axis, order=None):
+    """uint values -> int32 words along `axis`: bits [bits*j, bits*j + bits) of word i hold element
+    P*i + order[j] (natural order, P*i + j, unless given)."""
     P = 32 // bits
+    order = order or list(range(P))
     v = np.moveaxis(values.astype(np.uint64), axis, 0)
     words = np.zeros((v.shape[0] // P,) + v.shape[1:], dtype=np.uint64)
     for i in range(words.shape[0]):
         for j in range(P):
-            words[i] |= v[i * P + j] << np.uint64(bits * j)
+            words[i] |= v[i * P + order[j]] << np.uint64(bits * j)
     return np.moveaxis(words.astype(np.uint32).view(np.int32), 0, axis)
 
 
@@ -67,7 +69,9 @@ def test_pack_roundtrip_and_canonical_word_order(bits, rng):
     q = rng.integers(0, 1 << bits, size=(24, 64))
     packed = L.pack_qweight(t(q, torch.int32), bits)
     assert packed.shape == (64 // (32 // bits), 24) and packed.dtype == torch.int32
-    assert np.array_equal(packed.cpu().numpy(), pack_loop(q.T, bits, axis=0))
+    # the documented canonical order: 4-bit words interleave K offsets 0, 2, 4, 6, 1, 3, 5, 7
+    canonical = [0, 2, 4, 6, 1, 3, 5, 7] if bits == 4 else None
+    assert np.array_equal(packed.cpu().numpy(), pack_loop(q.T, bits, axis=0, order=canonical))
     assert torch.equal(L.unpack_qweight(packed, bits).cpu(), torch.from_numpy(q).to(torch.int32))
 
 

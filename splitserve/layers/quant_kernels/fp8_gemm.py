@@ -34,6 +34,11 @@ FP8_MAX = 448.0
 GROUP_K = 128       # activation groups and weight blocks along K (DeepSeek-style block-wise FP8)
 GROUP_N = 128       # weight blocks along N
 SCALE_EPS = 1e-10   # an all-zero row gets this amax, so its scale is never 0
+# the same constants as the kernels see them (a jitted function reads globals only as constexprs)
+_FP8_MAX_C = tl.constexpr(FP8_MAX)
+_GROUP_K_C = tl.constexpr(GROUP_K)
+_GROUP_N_C = tl.constexpr(GROUP_N)
+_SCALE_EPS_C = tl.constexpr(SCALE_EPS)
 
 # Token counts up to this use the Triton kernel in fp8_linear; above it per-token quantization +
 # torch._scaled_mm (cuBLASLt) wins. Measured on the H100, see BENCHMARKS.md.
@@ -55,18 +60,21 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, str
     x_row = x_ptr + row * stride_xm
     if STATIC:
         s = tl.load(static_s_ptr).to(tl.float32)
+        inv = tl.div_rn(tl.full([], 1.0, tl.float32), s)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = tl.div_rn(tl.maximum(tl.max(amax, axis=0), SCALE_EPS), FP8_MAX)
+        amax_c = tl.maximum(tl.max(amax, axis=0), _SCALE_EPS_C)
+        s = tl.div_rn(amax_c, _FP8_MAX_C)
         tl.store(s_ptr + row, s)
+        inv = tl.div_rn(tl.full([], _FP8_MAX_C, tl.float32), amax_c)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, s), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(x * inv, -_FP8_MAX_C, _FP8_MAX_C)
         tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
@@ -78,8 +86,10 @@ def _quant_per_group_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, strid
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), SCALE_EPS), FP8_MAX)
-    q = tl.clamp(tl.div_rn(x, s[:, None]), -FP8_MAX, FP8_MAX)
+    amax_c = tl.maximum(tl.max(tl.abs(x), axis=1), _SCALE_EPS_C)
+    s = tl.div_rn(amax_c, _FP8_MAX_C)
+    q = tl.clamp(x * tl.div_rn(tl.full(amax_c.shape, _FP8_MAX_C, tl.float32), amax_c)[:, None],
+                 -_FP8_MAX_C, _FP8_MAX_C)
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + g, s, mask=g < num_groups)
 
@@ -166,16 +176,18 @@ def _fp8_gemm_kernel(
             part = tl.dot(a, tl.trans(w.to(a.dtype)))
         elif A_MODE == 2:
             af = a.to(tl.float32)
-            s_a = tl.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), SCALE_EPS), FP8_MAX)
-            aq = tl.clamp(tl.div_rn(af, s_a[:, None]), -FP8_MAX, FP8_MAX).to(w.dtype)
+            amax_c = tl.maximum(tl.max(tl.abs(af), axis=1), _SCALE_EPS_C)
+            s_a = tl.div_rn(amax_c, _FP8_MAX_C)
+            inv_a = tl.div_rn(tl.full(amax_c.shape, _FP8_MAX_C, tl.float32), amax_c)
+            aq = tl.clamp(af * inv_a[:, None], -_FP8_MAX_C, _FP8_MAX_C).to(w.dtype)
             part = tl.dot(aq, tl.trans(w)) * s_a[:, None]
         elif A_MODE == 1:
-            s_a = tl.load(a_scale_ptr + rows_a * stride_asm + k0 // GROUP_K)
+            s_a = tl.load(a_scale_ptr + rows_a * stride_asm + k0 // _GROUP_K_C)
             part = tl.dot(a, tl.trans(w)) * s_a[:, None]
         else:
             part = tl.dot(a, tl.trans(w))
         if W_MODE == 2:
-            s_w = tl.load(w_scale_ptr + (rows_w // GROUP_N) * stride_wsn + k0 // GROUP_K)
+            s_w = tl.load(w_scale_ptr + (rows_w // _GROUP_N_C) * stride_wsn + k0 // _GROUP_K_C)
             part = part * s_w[None, :]
         acc += part
     # Scales that do not vary along K are applied once; they are linear, so before the split-K sum.

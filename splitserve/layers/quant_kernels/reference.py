@@ -15,20 +15,30 @@ SCALE_EPS = 1e-10
 def fp8_quantize_ref(x: torch.Tensor, group: int | None = None,
                      static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q fp8 [M, K], fp32 scales): per token ([M, 1]), per token and `group` along K
-    ([M, ceil(K/group)]), or one static scale. q = clamp(x / s, -448, 448) rounded to nearest even."""
+    ([M, ceil(K/group)]), or one static scale s. With a = max(|x| over the row or group, 1e-10),
+    s = a / 448 and q = clamp(x * (448 / a), -448, 448) rounded to nearest even (a multiply by the
+    fp32 reciprocal, as the kernels do it: one division per row, not per element); static:
+    q = clamp(x * (1 / s))."""
     xf = x.to(torch.float32)
     M, K = xf.shape
     if static_scale is not None:
         s = static_scale.reshape(1, 1).to(torch.float32)
-        return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+        return (xf * _div(1.0, s)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
     if group is None:
-        s = xf.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS) / FP8_MAX
-        return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+        a = xf.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS)
+        return (xf * _div(FP8_MAX, a)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), a / torch.full_like(a, FP8_MAX)
     ng = -(-K // group)
     padded = torch.nn.functional.pad(xf, (0, ng * group - K)).view(M, ng, group)
-    s = padded.abs().amax(dim=2).clamp(min=SCALE_EPS) / FP8_MAX
-    q = (padded / s[:, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(M, ng * group)[:, :K]
-    return q.to(FP8_DTYPE), s
+    a = padded.abs().amax(dim=2).clamp(min=SCALE_EPS)
+    q = (padded * _div(FP8_MAX, a)[:, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(M, ng * group)[:, :K]
+    return q.to(FP8_DTYPE), a / torch.full_like(a, FP8_MAX)
+
+
+def _div(num: float, t: torch.Tensor) -> torch.Tensor:
+    """num / t rounded once, as the kernels' div_rn does it (torch computes `num / t` as
+    t.reciprocal() * num, and a division by a Python scalar on CUDA as a multiply by its
+    reciprocal: each rounds twice and can be one ulp off; tensor / tensor divides)."""
+    return torch.full_like(t, num) / t
 
 
 def _expand_groups(s: torch.Tensor, rows: int, cols: int, row_group: int, col_group: int) -> torch.Tensor:
@@ -93,12 +103,12 @@ def quantize_fp8_weight_ref(w: torch.Tensor, block: bool = False) -> tuple[torch
 def wna16_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *,
                       bits: int, group_size: int) -> torch.Tensor:
     """Canonical packed weight (wna16_layout.py) -> fp32 [N, K] in packed K order. Written apart from
-    wna16_layout's helpers: one shift per value position, no shared code with the packers."""
+    wna16_layout's helpers: one shift per K offset within a word, no shared code with the packers."""
     P = 32 // bits
     Kw, N = qweight.shape
-    cols = []
-    for j in range(P):  # value j of every word: input channel P * i + j
-        cols.append((qweight >> (bits * j)) & ((1 << bits) - 1))
+    # K offset r within a word sits at value position j: int4 interleaves (r = 2s -> s, 2s + 1 -> s + 4)
+    position = [r // 2 + 4 * (r % 2) for r in range(8)] if bits == 4 else list(range(4))
+    cols = [(qweight >> (bits * position[r])) & ((1 << bits) - 1) for r in range(P)]
     q = torch.stack(cols, dim=1).reshape(Kw * P, N).to(torch.float32)  # [K, N]
     g = torch.arange(Kw * P, device=q.device) // group_size
     zero = zeros.to(torch.float32)[g] if zeros is not None else float(1 << (bits - 1))

@@ -7,7 +7,10 @@ with the weight in the canonical packed layout of wna16_layout.py (qweight int32
 The kernel dequantizes inside the K loop and keeps the per-element work to unpacking: the unsigned
 value q is turned into a 16-bit float by OR-ing it into the mantissa of a power of two (0x4300 is
 bf16 128.0, so q | 0x4300 is exactly 128 + q; fp16 uses 1024.0), and that tile goes to the tensor
-cores as it is. The offset, the zero point and the scale are constant over a K tile (BLOCK_K divides
+cores as it is. For 4 bits the canonical value order lets one AND-OR make two such floats at once
+in a 32-bit word ((w >> 4s) & 0x000F000F | 0x43004300); in SASS the tile then stays in registers
+(~260 instructions per KB of int4 weights per warp against ~355 unpacking value by value, which
+stored each value to shared memory; compiled with benchmarks/quant_kernels_compile.py). The offset, the zero point and the scale are constant over a K tile (BLOCK_K divides
 G), so they are applied to the tile's [BLOCK_M, BLOCK_N] product instead of to every weight:
 
     sum_k x[m, k] * (q - z) * s = s * (dot(x, 128 + q) - rowsum(x) * (128 + z))
@@ -42,6 +45,7 @@ def _wna16_kernel(
     M, N, k_per_split, num_splits, K, stride_am, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, UNPACK_BCAST: tl.constexpr,
+    PAIRS: tl.constexpr, MAGIC2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT_K: tl.constexpr,
 ):
     P: tl.constexpr = 32 // BITS
@@ -62,19 +66,33 @@ def _wna16_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if UNPACK_BCAST:
-            # each element loads its own word (8 lanes share one; the L1 serves the repeats)
-            words = tl.load(qw_ptr + (offs_k // P).to(tl.int64)[:, None] * N + cols[None, :])
-            q = (words >> ((offs_k % P) * BITS)[:, None]) & QMASK
-        else:
+        if PAIRS:
+            # 4-bit canonical order: (w >> 4s) & 0x000F000F holds K offsets 2s and 2s + 1, and one
+            # OR makes them two 16-bit floats (OFFSET + q); the halves are split and interleaved
+            # back into K order. Everything stays in registers (no per-value shared-memory store).
             offs_w = (k0 // P + tl.arange(0, BLOCK_K // P)).to(tl.int64)
             words = tl.load(qw_ptr + offs_w[:, None] * N + cols[None, :])
-            q = (words[:, None, :] >> (tl.arange(0, P) * BITS)[None, :, None]) & QMASK
-            q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-        if MAGIC != 0:
-            b = (q | MAGIC).to(tl.int16).to(a_dtype, bitcast=True)  # exactly OFFSET + q
+            pairs = ((words[:, None, :] >> (tl.arange(0, 4) * 4)[None, :, None]) & 0x000F000F) | MAGIC2
+            lo = pairs.to(tl.int16)
+            hi = (pairs >> 16).to(tl.int16)
+            b = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_K, BLOCK_N))
+            b = b.to(a_dtype, bitcast=True)
         else:
-            b = q.to(tl.float32).to(a_dtype)                      # exactly q (OFFSET is 0)
+            if UNPACK_BCAST:
+                # each element loads its own word (the L1 serves the repeats)
+                r = offs_k % P
+                pos = (r // 2 + (r % 2) * 4) if BITS == 4 else r  # value position of K offset r
+                words = tl.load(qw_ptr + (offs_k // P).to(tl.int64)[:, None] * N + cols[None, :])
+                q = (words >> (pos * BITS)[:, None]) & QMASK
+            else:  # 8-bit, natural order
+                offs_w = (k0 // P + tl.arange(0, BLOCK_K // P)).to(tl.int64)
+                words = tl.load(qw_ptr + offs_w[:, None] * N + cols[None, :])
+                q = (words[:, None, :] >> (tl.arange(0, P) * BITS)[None, :, None]) & QMASK
+                q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+            if MAGIC != 0:
+                b = (q | MAGIC).to(tl.int16).to(a_dtype, bitcast=True)  # exactly OFFSET + q
+            else:
+                b = q.to(tl.float32).to(a_dtype)                      # exactly q (OFFSET is 0)
         if HAS_PERM:
             cols_a = tl.load(perm_ptr + offs_k)
         else:
@@ -103,7 +121,9 @@ def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, BITS: tl.constexpr, 
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n[None, :] < N
     words = tl.load(qw_ptr + (offs_k // P).to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask)
-    q = ((words >> ((offs_k % P) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+    r = offs_k % P
+    pos = (r // 2 + (r % 2) * 4) if BITS == 4 else r  # value position of K offset r (canonical order)
+    q = ((words >> (pos * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
     g = (offs_k // GROUP)[:, None] * N + offs_n[None, :]
     s = tl.load(s_ptr + g, mask=mask).to(tl.float32)
     if HAS_ZERO:
@@ -190,6 +210,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         M, N, k_per_split, num_splits, K, x.stride(0), out.stride(0),
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, MAGIC=magic, OFFSET=offset, UNPACK_BCAST=cfg.unpack_bcast,
+        PAIRS=bits == 4 and magic != 0 and not cfg.unpack_bcast, MAGIC2=magic | (magic << 16),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT_K=use_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

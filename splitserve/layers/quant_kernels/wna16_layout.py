@@ -4,10 +4,14 @@ compressed-tensors checkpoints (done once, at load time).
 Canonical layout for a linear layer with weight W [N, K] (N outputs, K inputs), `bits` in {4, 8},
 P = 32 // bits values per word, group size G (G divides K; G = K means one group per channel):
 
-    qweight  int32 [K // P, N]   word qweight[i, n] holds q[n, P*i + j] in bits [bits*j, bits*j + bits),
+    qweight  int32 [K // P, N]   word qweight[i, n] holds q[n, P*i + ORDER[j]] in bits [bits*j, bits*j + bits),
                                  j = 0..P-1 (lowest bits first); q is unsigned, 0 .. 2**bits - 1.
-                                 This is GPTQ's own qweight: consecutive K in one word, N contiguous,
-                                 so a tile of N columns is one coalesced read per row of words.
+                                 ORDER is (0, 2, 4, 6, 1, 3, 5, 7) for 4 bits and (0, 1, 2, 3) for 8.
+                                 Shaped as GPTQ's qweight (P consecutive K in one word, N contiguous, so
+                                 a tile of N columns is one coalesced read per row of words), but with
+                                 the 4-bit values interleaved: (w >> 4s) & 0x000F000F then holds K = 2s
+                                 and 2s + 1 in its two halves, which the kernel turns into a pair of
+                                 16-bit floats with one AND-OR (see wna16_gemm.py).
     scales   [K // G, N]         fp16 / bf16 / fp32 (the kernels compute in fp32).
     zeros    None, or uint8 [K // G, N]: unsigned zero points. None means symmetric: zero = 2**(bits-1).
     perm     None, or int32 [K]: act-order (GPTQ desc_act). Packed input position i holds original
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column 8*w + AWQ_ORDER[j]
+NATURAL = {4: tuple(range(8)), 8: tuple(range(4))}
+CANONICAL_ORDER = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 1, 2, 3)}  # value j of a word holds K offset ORDER[j]
 
 
 @dataclass
@@ -79,33 +85,39 @@ def check_canonical(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 # packing
 # ---------------------------------------------------------------------------------------------
 
-def pack_along_dim0(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """q [R, C] unsigned ints -> int32 [R // P, C], word i holding rows P*i + j at bits*j."""
+def pack_along_dim0(q: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """q [R, C] unsigned ints -> int32 [R // P, C], word i holding row P*i + order[j] at bits*j
+    (order defaults to natural: row P*i + j)."""
     P = 32 // bits
     if q.shape[0] % P:
         raise ValueError(f"cannot pack {q.shape[0]} rows into words of {P}")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):
         raise ValueError(f"values to pack must lie in [0, {(1 << bits) - 1}]")
+    if order is not None:
+        q = q.reshape(q.shape[0] // P, P, q.shape[1])[:, list(order)].reshape(q.shape)
     shifts = (torch.arange(P, device=q.device, dtype=torch.int64) * bits).view(1, P, 1)
     words = (q.to(torch.int64).view(q.shape[0] // P, P, q.shape[1]) << shifts).sum(1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def unpack_along_dim0(words: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_along_dim0(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 [R, C] -> int32 [R * P, C]: the inverse of pack_along_dim0."""
     P = 32 // bits
     shifts = (torch.arange(P, device=words.device, dtype=torch.int32) * bits).view(1, P, 1)
-    return ((words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0] * P, words.shape[1])
+    vals = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [R, P, C]: vals[:, j] is row P*i + order[j]
+    if order is not None:
+        vals = vals[:, [order.index(r) for r in range(P)]]
+    return vals.reshape(words.shape[0] * P, words.shape[1])
 
 
 def pack_qweight(q_nk: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned q [N, K] -> canonical qweight int32 [K // P, N]."""
-    return pack_along_dim0(q_nk.t(), bits).contiguous()
+    return pack_along_dim0(q_nk.t().contiguous(), bits, CANONICAL_ORDER[bits]).contiguous()
 
 
 def unpack_qweight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Canonical qweight [K // P, N] -> unsigned q int32 [N, K]."""
-    return unpack_along_dim0(qweight, bits).t()
+    return unpack_along_dim0(qweight, bits, CANONICAL_ORDER[bits]).t()
 
 
 def dequantize(w: WNA16Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -171,10 +183,13 @@ def _perm_from_g_idx(g_idx: torch.Tensor | None, K: int, G: int) -> torch.Tensor
     return perm.to(torch.int32)
 
 
-def _apply_perm(qweight: torch.Tensor, perm: torch.Tensor | None, bits: int) -> torch.Tensor:
-    if perm is None:
-        return qweight
-    return pack_along_dim0(unpack_along_dim0(qweight, bits)[perm.long()], bits)
+def _canonical_from_natural(q_words: torch.Tensor, perm: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Words packed along K in natural order [K // P, N] -> canonical qweight, input channels in
+    packed order (q[:, perm])."""
+    q_kn = unpack_along_dim0(q_words, bits)
+    if perm is not None:
+        q_kn = q_kn[perm.long()]
+    return pack_along_dim0(q_kn, bits, CANONICAL_ORDER[bits]).contiguous()
 
 
 def _symmetric_or_zeros(zeros: torch.Tensor, bits: int) -> torch.Tensor | None:
@@ -197,7 +212,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     if checkpoint_format == "gptq":
         zeros = (zeros + 1) & ((1 << bits) - 1)
     perm = _perm_from_g_idx(g_idx, K, G)
-    return WNA16Weight(_apply_perm(qweight.to(torch.int32), perm, bits).contiguous(), scales.contiguous(),
+    return WNA16Weight(_canonical_from_natural(qweight.to(torch.int32), perm, bits), scales.contiguous(),
                        _symmetric_or_zeros(zeros, bits), bits, G, perm)
 
 
@@ -218,7 +233,8 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     K = q_kn.shape[0]
     G = K if group_size == -1 else group_size
     zeros = _unpack_awq(qzeros)[:, :q_kn.shape[1]]   # [K // G, N]
-    return WNA16Weight(pack_along_dim0(q_kn, 4), scales.contiguous(), _symmetric_or_zeros(zeros, 4), 4, G)
+    return WNA16Weight(pack_along_dim0(q_kn, 4, CANONICAL_ORDER[4]).contiguous(), scales.contiguous(),
+                       _symmetric_or_zeros(zeros, 4), 4, G)
 
 
 def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, *, bits: int,
@@ -243,6 +259,6 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
             zp = zp.to(torch.int32) + offset
         zeros = _symmetric_or_zeros(zp.t().reshape(K // G, N), bits)
     perm = _perm_from_g_idx(weight_g_idx, K, G)
-    qweight = _apply_perm(weight_packed[:N].to(torch.int32).t().contiguous(), perm, bits)
-    return WNA16Weight(qweight.contiguous(), weight_scale[:N].reshape(N, K // G).t().contiguous(),
+    qweight = _canonical_from_natural(weight_packed[:N].to(torch.int32).t().contiguous(), perm, bits)
+    return WNA16Weight(qweight, weight_scale[:N].reshape(N, K // G).t().contiguous(),
                        zeros, bits, G, perm)
