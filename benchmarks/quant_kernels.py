@@ -72,7 +72,6 @@ def copy_bandwidth() -> float:
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = graph_ms(lambda: b.copy_(a), iters=10)
-    del a, b
     return 2 * (1 << 31) / (ms * 1e-3)
 
 
@@ -273,21 +272,24 @@ def split_for(M, N, K, bm, bn, bk, waves, sms=132):
 
 
 def sweep_configs(kind: str, M: int, K: int, N: int):
-    bm = 16 if M <= 16 else 64
+    bms = (16,) if M <= 16 else (32, 64)
     out = []
-    if kind == "wna16":
-        for bn in (32, 64, 128):
-            for stages in (3, 5):
-                for bcast in (False, True):
-                    for waves in (1, 2):
-                        out.append(WNA.WNA16Config(bm, bn, 128, split_for(M, N, K, bm, bn, 128, waves), 4, stages, bcast))
-    else:
-        bks = (128,) if kind == "fp8 group" else (128, 256)
-        for bn in (16, 32, 64):
-            for bk in bks:
+    for bm in bms:
+        if kind == "wna16":
+            for bn in (32, 64, 128):
                 for stages in (3, 5):
-                    for waves in (1, 2):
-                        out.append(FP8.Fp8Config(bm, bn, bk, split_for(M, N, K, bm, bn, bk, waves), 4, stages))
+                    for bcast in (False, True):
+                        for waves in (1, 2):
+                            out.append(WNA.WNA16Config(bm, bn, 128, split_for(M, N, K, bm, bn, 128, waves), 4,
+                                                       stages, bcast))
+        else:
+            bks = (128,) if kind == "fp8 group" else (128, 256)
+            bns = (32, 64, 128) if kind == "fp8 group" else (16, 32, 64)
+            for bn in bns:
+                for bk in bks:
+                    for stages in (3, 5):
+                        for waves in (1, 2):
+                            out.append(FP8.Fp8Config(bm, bn, bk, split_for(M, N, K, bm, bn, bk, waves), 4, stages))
     return list(dict.fromkeys(out))
 
 
@@ -296,6 +298,8 @@ SWEEP_M = (1, 16, 64)
 
 
 def run_one(kind, x, w, cfg):
+    if kind == "wna16_linear":
+        return WNA.wna16_linear(x, w[0], w[1], None, bits=4, group_size=GROUP)
     if kind == "wna16":
         return WNA.wna16_gemm(x, w[0], w[1], None, bits=4, group_size=GROUP, config=cfg)
     if kind == "fp8 token":
@@ -310,7 +314,7 @@ def _precompile_job(jobs):
     done = 0
     for kind, name, M, cfg in jobs:
         K, N = SHAPES[name]
-        w = rand_int4(N, K, gen) if kind == "wna16" else rand_fp8(N, K, gen)
+        w = rand_int4(N, K, gen) if kind.startswith("wna16") else rand_fp8(N, K, gen)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         if kind == "fp8 token":
             x = FP8.quantize_fp8_per_token(x)
@@ -323,23 +327,45 @@ def _precompile_job(jobs):
     return done
 
 
-def sweep(W: Weights, workers: int):
-    # One launch per compiled variant: shapes share a kernel when their ints specialize alike (M == 1
-    # or not; everything else here is a multiple of 16), and split counts only matter as 1 or more.
+def precompile(ms_list, do_sweep: bool, do_check: bool, workers: int):
+    """Compile in parallel child processes into Triton's disk cache: one launch per compiled variant
+    (shapes share a kernel when their ints specialize alike: M == 1 or not, everything else here is
+    a multiple of 16; split counts only matter as 1 or more), the table's default configurations,
+    and meanwhile the correctness check in its own process."""
     jobs, seen = [], set()
-    for kind in SWEEP_KINDS:
+
+    def add(kind, name, M, cfg):
+        key = (kind, M == 1, M, None) if cfg is None else (kind, M == 1, replace(cfg, split_k=min(cfg.split_k, 2)))
+        if key not in seen:
+            seen.add(key)
+            jobs.append((kind, name, M, cfg))
+
+    for kind in SWEEP_KINDS if do_sweep else ():
         for name, (K, N) in SHAPES.items():
             for M in SWEEP_M:
                 for cfg in sweep_configs(kind, M, K, N):
-                    key = (kind, M == 1, replace(cfg, split_k=min(cfg.split_k, 2)))
-                    if key not in seen:
-                        seen.add(key)
-                        jobs.append((kind, name, M, cfg))
+                    add(kind, name, M, cfg)
+    for M in ms_list:
+        for name in SHAPES:
+            for kind in SWEEP_KINDS + ("wna16_linear",):
+                add(kind, name, M, None)
     t0 = time.time()
-    chunks = [jobs[i::workers] for i in range(workers)]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        compiled = sum(pool.map(_precompile_job, chunks))
-    log(f"sweep: {len(jobs)} launches precompiled ({compiled} ok) in {time.time() - t0:.0f} s")
+    ctx = get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as checker, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        fails = checker.submit(check, ms_list) if do_check else None
+        try:
+            compiled = sum(pool.map(_precompile_job, [jobs[i::workers] for i in range(workers)]))
+            log(f"precompiled {len(jobs)} launches ({compiled} ok) in {time.time() - t0:.0f} s")
+        except Exception as e:  # noqa: BLE001 - a broken worker only costs compile time later
+            log(f"precompile: {type(e).__name__}: {str(e)[:300]}")
+        if fails is not None:
+            try:
+                log(f"check: {fails.result()} failures [{time.time() - t0:.0f} s]")
+            except Exception as e:  # noqa: BLE001
+                log(f"check: FAIL, the check process died: {type(e).__name__}: {str(e)[:300]}")
+
+
+def sweep(W: Weights):
     results = {}
     for kind in SWEEP_KINDS:
         store = W.int4 if kind == "wna16" else W.fp8
@@ -391,9 +417,8 @@ def main() -> None:
         f"{__import__('triton').__version__} SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    if args.check:
-        check(ms_list)
-        log(f"[{time.time() - t0:.0f} s]")
+    precompile(ms_list, args.sweep, args.check, args.workers)
+    log(f"[{time.time() - t0:.0f} s]")
     kinds = {METHOD_WEIGHTS[m] for m in methods} if not args.no_table else set()
     if args.sweep:
         kinds |= {"fp8", "int4"}
@@ -401,7 +426,7 @@ def main() -> None:
     log(f"weights ready [{time.time() - t0:.0f} s]")
     out = {"device": torch.cuda.get_device_name(), "bw": bw}
     if args.sweep:
-        res = sweep(W, args.workers)
+        res = sweep(W)
         out["sweep"] = {f"{k[0]}|{k[1]}|{k[2]}": [v[0], repr(v[1])] for k, v in res.items()}
         log(f"[{time.time() - t0:.0f} s]")
     if not args.no_table:

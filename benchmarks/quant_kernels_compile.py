@@ -55,6 +55,28 @@ def install_fake_sm90_driver(compiled: list):
     jit.JITFunction.run = run
 
 
+def main_loop(sass: str) -> str:
+    """Instruction count of the longest backward-branch loop (the K loop) and its top opcodes."""
+    import re
+    from collections import Counter
+    ins = []
+    for ln in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", ln)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    loops = []
+    for addr, op, rest in ins:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < addr:
+            loops.append((int(t.group(1), 16), addr))
+    if not loops:
+        return "no loop"
+    lo, hi = max(loops, key=lambda b: b[1] - b[0])
+    body = [op for a, op, _ in ins if lo <= a <= hi]
+    top = Counter(op.split(".")[0] for op in body).most_common(6)
+    return f"loop {len(body)} instr: " + " ".join(f"{k}{v}" for k, v in top)
+
+
 def resources(kernel, sass_dir: str | None) -> str:
     from triton import backends
     tools = os.path.join(os.path.dirname(backends.__file__), "nvidia", "bin")
@@ -62,8 +84,10 @@ def resources(kernel, sass_dir: str | None) -> str:
         f.write(kernel.asm["cubin"])
     res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
     line = next((ln.strip() for ln in res.splitlines() if "REG:" in ln), res.strip()[-200:])
+    line = " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "LOCAL"))
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    line += "  " + main_loop(sass)
     if sass_dir:
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
         name = f"{kernel.name}_{abs(hash(kernel.hash)) % 10**8}.sass"
         with open(os.path.join(sass_dir, name), "w") as out:
             out.write(sass)
