@@ -150,7 +150,7 @@ def test_fp8_linear_dispatch_shapes_and_reference(gen):
     bias = torch.randn(64, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     out = F.fp8_linear(x, wq, ws, bias)
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
-    ref = R.fp8_linear_ref(x.reshape(6, 256), wq, ws, bias, act=F.FP8_SMALL_M_ACT).reshape(2, 3, 64)
+    ref = R.fp8_linear_ref(x.reshape(6, 256), wq, ws, bias, act=F.fp8_small_m_act(6)).reshape(2, 3, 64)
     assert_close_bf16(out, ref)
     static = torch.tensor(0.02, device=DEVICE)
     out = F.fp8_linear(x, wq, ws, input_scale=static)

@@ -48,6 +48,17 @@ def num_sms(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
+def split_k_for(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Smallest power-of-two split that gives 1.5 programs per SM, keeping >= 4 K tiles per split
+    (the sweep's best splits on the 8B shapes follow this rule)."""
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    k_tiles = triton.cdiv(K, block_k)
+    split = 1
+    while 2 * tiles * split < 3 * num_sms and split * 2 <= max(1, k_tiles // 4):
+        split *= 2
+    return split
+
+
 @triton.jit
 def split_k_epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, count_ptr, bias_ptr,
                      tile_id, pid_k, num_splits, HAS_BIAS: tl.constexpr, USE_SPLIT_K: tl.constexpr):

@@ -15,8 +15,9 @@ Activations reach the kernel in one of four modes (`A_MODE`):
 Decode is bound by reading the weights, so each program streams BLOCK_N weight rows along a K slice
 (split-K, finished in the same launch, see _split_k.py) and the MMA is padded to BLOCK_M >= 16 rows.
 
-fp8_linear() is the entry the linear layers call: the Triton kernel up to FP8_TRITON_MAX_M tokens,
-per-token quantization + torch._scaled_mm above, the torch reference off CUDA. References live in
+fp8_linear() is the entry the linear layers call: the Triton kernel up to FP8_TRITON_MAX_M tokens
+(quantizing in the kernel up to FP8_GROUP_MAX_M), per-token quantization + torch._scaled_mm above,
+the torch reference off CUDA. References live in
 quant_kernels/reference.py.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -40,12 +41,17 @@ _GROUP_K_C = tl.constexpr(GROUP_K)
 _GROUP_N_C = tl.constexpr(GROUP_N)
 _SCALE_EPS_C = tl.constexpr(SCALE_EPS)
 
-# Token counts up to this use the Triton kernel in fp8_linear; above it per-token quantization +
-# torch._scaled_mm (cuBLASLt) wins. Measured on the H100, see BENCHMARKS.md.
+# fp8_linear's policy, from the H100 sweep and step table (BENCHMARKS.md): up to FP8_GROUP_MAX_M
+# tokens the kernel quantizes the activations itself (A_MODE 2: no extra launch; its per-tile
+# quantization work grows with the rows); up to FP8_TRITON_MAX_M a per-token quantization launch +
+# the kernel (A_MODE 0, the cheapest GEMM); above, per-token quantization + torch._scaled_mm.
+FP8_GROUP_MAX_M = 16
 FP8_TRITON_MAX_M = 64
-# Activation handling of the small-M path in fp8_linear: "group" (A_MODE 2), "token" (a separate
-# quantization launch + A_MODE 0), or "none" (W8A16, A_MODE 3). Chosen by measurement.
-FP8_SMALL_M_ACT = "group"
+
+
+def fp8_small_m_act(M: int) -> str:
+    """The activation handling fp8_linear uses for M tokens on the Triton path."""
+    return "group" if M <= FP8_GROUP_MAX_M else "token"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +167,34 @@ def _fp8_gemm_kernel(
     rows_w = (offs_n % N).to(tl.int64)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    # Per-tile scales (token groups, weight blocks) are plain loads that Triton's pipeliner leaves
+    # synchronous, so they are fetched two K tiles ahead (see wna16_gemm.py).
+    last_g = tl.cdiv(K, _GROUP_K_C) - 1
+    if A_MODE == 1:
+        sa_cur = tl.load(a_scale_ptr + rows_a * stride_asm + tl.minimum(k_start // _GROUP_K_C, last_g))
+        sa_nxt = tl.load(a_scale_ptr + rows_a * stride_asm + tl.minimum((k_start + BLOCK_K) // _GROUP_K_C, last_g))
+    else:
+        sa_cur = tl.zeros([BLOCK_M], tl.float32)
+        sa_nxt = sa_cur
+    if W_MODE == 2:
+        sw_rows = w_scale_ptr + (rows_w // _GROUP_N_C) * stride_wsn
+        sw_cur = tl.load(sw_rows + tl.minimum(k_start // _GROUP_K_C, last_g))
+        sw_nxt = tl.load(sw_rows + tl.minimum((k_start + BLOCK_K) // _GROUP_K_C, last_g))
+    else:
+        sw_rows = w_scale_ptr
+        sw_cur = tl.zeros([BLOCK_N], tl.float32)
+        sw_nxt = sw_cur
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        g_pf = tl.minimum((k0 + 2 * BLOCK_K) // _GROUP_K_C, last_g)
+        if A_MODE == 1:
+            sa_pf = tl.load(a_scale_ptr + rows_a * stride_asm + g_pf)
+        else:
+            sa_pf = sa_cur
+        if W_MODE == 2:
+            sw_pf = tl.load(sw_rows + g_pf)
+        else:
+            sw_pf = sw_cur
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
         w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
@@ -182,14 +214,14 @@ def _fp8_gemm_kernel(
             aq = tl.clamp(af * inv_a[:, None], -_FP8_MAX_C, _FP8_MAX_C).to(w.dtype)
             part = tl.dot(aq, tl.trans(w)) * s_a[:, None]
         elif A_MODE == 1:
-            s_a = tl.load(a_scale_ptr + rows_a * stride_asm + k0 // _GROUP_K_C)
-            part = tl.dot(a, tl.trans(w)) * s_a[:, None]
+            part = tl.dot(a, tl.trans(w)) * sa_cur[:, None]
         else:
             part = tl.dot(a, tl.trans(w))
         if W_MODE == 2:
-            s_w = tl.load(w_scale_ptr + (rows_w // _GROUP_N_C) * stride_wsn + k0 // _GROUP_K_C)
-            part = part * s_w[None, :]
+            part = part * sw_cur[None, :]
         acc += part
+        sa_cur, sa_nxt = sa_nxt, sa_pf
+        sw_cur, sw_nxt = sw_nxt, sw_pf
     # Scales that do not vary along K are applied once; they are linear, so before the split-K sum.
     if A_MODE == 0:
         acc *= tl.load(a_scale_ptr + rows_a * stride_asm)[:, None]
@@ -211,21 +243,23 @@ class Fp8Config:
     num_stages: int = 4
 
 
-def default_fp8_config(M: int, N: int, K: int, grouped: bool, num_sms: int = 132) -> Fp8Config:
-    """Tile choice for the shapes this engine runs (tuned on the H100, BENCHMARKS.md). grouped: scales
-    vary along K in groups of 128 (activation groups or weight blocks), so block_k must divide 128."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    if block_m == 128:
+def default_fp8_config(M: int, N: int, K: int, a_mode: int, grouped: bool, num_sms: int = 132) -> Fp8Config:
+    """Tile choice for the shapes this engine runs, from the H100 sweep of the 8B shapes
+    (BENCHMARKS.md). grouped: scales vary along K in groups of 128 (activation groups or weight
+    blocks), so block_k must divide 128."""
+    if M > 64:
         return Fp8Config(128, 128, 128, 1, num_warps=8, num_stages=3)
-    block_k = 128 if grouped else 256
-    # In-kernel quantization (A_MODE 2) costs work per x tile, so wider N tiles amortize it.
-    block_n = 64 if grouped or block_m > 32 else 32
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    k_tiles = triton.cdiv(K, block_k)
-    split_k = 1
-    while tiles * split_k < 2 * num_sms and split_k * 2 <= max(1, k_tiles // 4):
-        split_k *= 2
-    return Fp8Config(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    if a_mode == 2:
+        # the in-kernel quantization of each [block_m, 128] x tile is shared by block_n weight rows
+        block_n, block_k, stages = (128 if M <= 4 or block_m == 64 else 64), 128, 3
+    elif block_m == 16:
+        block_n, block_k, stages = (64 if M <= 4 else 32), 256, (3 if M <= 4 else 5)
+    else:
+        block_n, block_k, stages = 32, 128, 4
+    if grouped:
+        block_k = min(block_k, 128)
+    return Fp8Config(block_m, block_n, block_k, split_k_for(M, N, K, block_m, block_n, block_k, num_sms), 4, stages)
 
 
 def _weight_scale_mode(w_scale: torch.Tensor, N: int, K: int) -> int:
@@ -286,7 +320,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_s
     a = a if a.stride(1) == 1 else a.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     grouped = a_mode in (1, 2) or w_mode == 2
-    cfg = config or default_fp8_config(M, N, K, grouped, num_sms(a.device))
+    cfg = config or default_fp8_config(M, N, K, a_mode, grouped, num_sms(a.device))
     if grouped and GROUP_K % cfg.block_k:
         raise ValueError(f"block_k={cfg.block_k} must divide {GROUP_K} for group or block scales")
     if a_mode == 2 and cfg.block_k != GROUP_K:
@@ -330,10 +364,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
                triton_max_m: int | None = None) -> torch.Tensor:
     """y = x @ dequant(w).T + bias for bf16/fp16 x [..., K], w float8_e4m3fn [N, K] (see module doc).
 
-    Activations are quantized dynamically per token (per token and 128-group on the small-M Triton
-    path with small_m_act="group"), or with the static per-tensor `input_scale` when given. Block
-    scales ([ceil(N/128), ceil(K/128)]) always run the Triton kernel with per-token-group activations.
-    Off CUDA (CPU tests) the torch reference computes the same function."""
+    Activations are quantized dynamically: up to FP8_GROUP_MAX_M tokens per token and 128-group
+    inside the kernel, above that per token (small_m_act overrides the small-M choice: "group",
+    "token" or "none" = W8A16). A static per-tensor `input_scale` (a checkpoint's) is used as given.
+    Block scales ([ceil(N/128), ceil(K/128)]) always quantize per token and 128-group. Off CUDA (CPU
+    tests) the torch reference computes the same function."""
     from splitserve.layers.quant_kernels import reference
 
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -342,23 +377,20 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], w.shape[0]
     w_mode = _weight_scale_mode(w_scale, N, K) if w.dim() == 2 else -1
-    act = small_m_act or FP8_SMALL_M_ACT
     max_m = FP8_TRITON_MAX_M if triton_max_m is None else triton_max_m
-    if input_scale is not None:
-        act = "token"
     if w_mode == 2:
         act = "group"
+    elif input_scale is not None or M > max_m:
+        act = "token"
+    else:
+        act = small_m_act or fp8_small_m_act(M)
     if x.device.type != "cuda":
-        out = reference.fp8_linear_ref(x2, w, w_scale, bias, act=act if M <= max_m or w_mode == 2 else "token",
-                                       input_scale=input_scale)
-    elif w_mode == 2:
-        if M <= max_m:
-            out = fp8_gemm(x2, None, w, w_scale, bias, act="group")
-        else:
-            q, s = quantize_fp8_per_group(x2)
-            out = fp8_gemm(q, s, w, w_scale, bias, out_dtype=x.dtype)
-    elif M <= max_m and act in ("group", "none"):
+        out = reference.fp8_linear_ref(x2, w, w_scale, bias, act=act, input_scale=input_scale)
+    elif act in ("group", "none") and M <= max_m:
         out = fp8_gemm(x2, None, w, w_scale, bias, act=act)
+    elif act == "group":  # block scales, many tokens
+        q, s = quantize_fp8_per_group(x2)
+        out = fp8_gemm(q, s, w, w_scale, bias, out_dtype=x.dtype)
     elif M <= max_m:
         q, s = quantize_fp8_per_token(x2, input_scale)
         out = fp8_gemm(q, s, w, w_scale, bias, out_dtype=x.dtype)

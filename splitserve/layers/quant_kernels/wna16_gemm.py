@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical
 
 # fp8_linear-style thresholds: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens, the tiled kernel
@@ -37,6 +37,12 @@ WNA16_DEQUANT_MIN_M = 1024
 
 # 16-bit float whose mantissa holds q exactly when q is OR-ed into its low bits: (bit pattern, value)
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+@triton.jit
+def _group_row(ptr, k, num_groups, N, cols, GROUP: tl.constexpr):
+    """Row [K // G, N] of the group holding K index k (clamped to the last group), as fp32."""
+    return tl.load(ptr + tl.minimum(k // GROUP, num_groups - 1) * N + cols).to(tl.float32)
 
 
 @triton.jit
@@ -63,8 +69,25 @@ def _wna16_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     a_dtype = a_ptr.dtype.element_ty
+    num_groups = K // GROUP
+    # Scales and zero points are plain loads (not tensor-core operands), which Triton's pipeliner
+    # leaves synchronous: each K step would wait a full memory latency for them (measured: 0.5-0.75
+    # TB/s). They are fetched two K tiles ahead instead.
+    s_cur = _group_row(s_ptr, k_start, num_groups, N, cols, GROUP)
+    s_nxt = _group_row(s_ptr, k_start + BLOCK_K, num_groups, N, cols, GROUP)
+    if HAS_ZERO:
+        z_cur = _group_row(z_ptr, k_start, num_groups, N, cols, GROUP)
+        z_nxt = _group_row(z_ptr, k_start + BLOCK_K, num_groups, N, cols, GROUP)
+    else:
+        z_cur = tl.full([BLOCK_N], ZERO_SYM, tl.float32)
+        z_nxt = z_cur
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        s_pf = _group_row(s_ptr, k0 + 2 * BLOCK_K, num_groups, N, cols, GROUP)
+        if HAS_ZERO:
+            z_pf = _group_row(z_ptr, k0 + 2 * BLOCK_K, num_groups, N, cols, GROUP)
+        else:
+            z_pf = z_cur
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if PAIRS:
             # 4-bit canonical order: (w >> 4s) & 0x000F000F holds K offsets 2s and 2s + 1, and one
@@ -100,13 +123,9 @@ def _wna16_kernel(
         a = tl.load(a_ptr + rows_a[:, None] * stride_am + cols_a[None, :])
         part = tl.dot(a, b)
         a_sum = tl.sum(a.to(tl.float32), axis=1)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * N + cols).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + g * N + cols).to(tl.float32) + OFFSET
-        else:
-            z = tl.full([BLOCK_N], ZERO_SYM + OFFSET, tl.float32)
-        acc += (part - a_sum[:, None] * z[None, :]) * s[None, :]
+        acc += (part - a_sum[:, None] * (z_cur + OFFSET)[None, :]) * s_cur[None, :]
+        s_cur, s_nxt = s_nxt, s_pf
+        z_cur, z_nxt = z_nxt, z_pf
     split_k_epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, count_ptr, bias_ptr,
                      pid, pid_k, num_splits, HAS_BIAS, USE_SPLIT_K)
 
@@ -146,20 +165,15 @@ class WNA16Config:
 
 
 def default_wna16_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132) -> WNA16Config:
-    """Tile choice (tuned on the H100, BENCHMARKS.md). block_k divides the group size."""
+    """Tile choice (H100 sweep of the 8B shapes, BENCHMARKS.md). block_k divides the group size."""
+    block_k = _largest_pow2_divisor(group_size, 128)
     if M <= WNA16_SPLIT_K_MAX_M:
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-        block_n = 64
-        block_k = _largest_pow2_divisor(group_size, 128)
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-        k_tiles = K // block_k
-        split_k = 1
-        while tiles * split_k < 2 * num_sms and split_k * 2 <= max(1, k_tiles // 4):
-            split_k *= 2
-        return WNA16Config(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
-    block_m = 64 if M <= 128 else 128
-    return WNA16Config(block_m, 128, _largest_pow2_divisor(group_size, 64), 1, num_warps=8 if block_m == 128 else 4,
-                       num_stages=3)
+        block_n = 64 if block_m == 16 else 128
+    else:
+        block_m, block_n = (64, 128) if M <= 128 else (128, 128)
+    split = split_k_for(M, N, K, block_m, block_n, block_k, num_sms) if M <= WNA16_SPLIT_K_MAX_M else 1
+    return WNA16Config(block_m, block_n, block_k, split, num_warps=8 if block_m == 128 else 4, num_stages=3)
 
 
 def _largest_pow2_divisor(g: int, cap: int) -> int:
