@@ -15,9 +15,9 @@ G), so they are applied to the tile's [BLOCK_M, BLOCK_N] product instead of to e
 
     sum_k x[m, k] * (q - z) * s = s * (dot(x, 128 + q) - rowsum(x) * (128 + z))
 
-For few tokens the grid is N tiles x split-K slices (finished in one launch, _split_k.py); for
-prefill sizes the same kernel runs with large M tiles; past WNA16_DEQUANT_MIN_M tokens the weight is
-dequantized to a temporary dense matrix and cuBLAS does the product (measured, BENCHMARKS.md).
+For few tokens the grid is N tiles x split-K slices (finished in one launch, _split_k.py). The
+same kernel runs prefill sizes with large M tiles, but measured slower than dequantizing the weight
+to a temporary dense matrix for cuBLAS, which wna16_linear does past WNA16_SPLIT_K_MAX_M tokens.
 """
 from __future__ import annotations
 
@@ -30,10 +30,13 @@ import triton.language as tl
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical
 
-# fp8_linear-style thresholds: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens, the tiled kernel
-# up to WNA16_DEQUANT_MIN_M, dequantize + cuBLAS above. Measured on the H100, BENCHMARKS.md.
+# wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
+# WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
+# H100 that beat the kernel's large-tile path (14.9 against 31.4 ms for the 8B step at 256 tokens,
+# 53 against 164 ms at 2048, BENCHMARKS.md), so the tiled path is only reachable through
+# wna16_gemm(config=...) until it is made faster.
 WNA16_SPLIT_K_MAX_M = 64
-WNA16_DEQUANT_MIN_M = 1024
+WNA16_DEQUANT_MIN_M = 65
 
 # 16-bit float whose mantissa holds q exactly when q is OR-ed into its low bits: (bit pattern, value)
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -167,13 +170,14 @@ class WNA16Config:
 def default_wna16_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132) -> WNA16Config:
     """Tile choice (H100 sweep of the 8B shapes, BENCHMARKS.md). block_k divides the group size."""
     block_k = _largest_pow2_divisor(group_size, 128)
+    if M <= 16:
+        return WNA16Config(16, 64, block_k, split_k_for(M, N, K, 16, 64, block_k, num_sms, 2.9), 4, 5)
     if M <= WNA16_SPLIT_K_MAX_M:
-        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-        block_n = 64 if block_m == 16 else 128
-    else:
-        block_m, block_n = (64, 128) if M <= 128 else (128, 128)
-    split = split_k_for(M, N, K, block_m, block_n, block_k, num_sms) if M <= WNA16_SPLIT_K_MAX_M else 1
-    return WNA16Config(block_m, block_n, block_k, split, num_warps=8 if block_m == 128 else 4, num_stages=3)
+        block_m = 32 if M <= 32 else 64
+        return WNA16Config(block_m, 128, block_k, split_k_for(M, N, K, block_m, 128, block_k, num_sms), 4, 3)
+    block_m = 64 if M <= 128 else 128
+    return WNA16Config(block_m, 128, _largest_pow2_divisor(group_size, 64), 1, num_warps=8 if block_m == 128 else 4,
+                       num_stages=3)
 
 
 def _largest_pow2_divisor(g: int, cap: int) -> int:
