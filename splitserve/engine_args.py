@@ -57,6 +57,11 @@ class EngineArgs(CliOptions):
         None, default_text="the model's directory or file name, or its repo id",
         help="the model name clients send and /v1/models shows")
 
+    def __post_init__(self) -> None:
+        # Checked here too (CacheConfig checks it again) so LLM(kv_cache_dtype=...) fails at once.
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
     @classmethod
     def cli_title(cls) -> str:
         return "engine options"
