@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                               resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
 from splitserve.engine.fault_injection import install_step_faults
@@ -96,7 +97,7 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     config = EngineConfig(
         model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos))),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
-                          args.cpu_kv_cache_gib, args.enable_prefix_caching),
+                          args.cpu_kv_cache_gib, args.enable_prefix_caching, args.kv_cache_dtype),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
@@ -104,10 +105,21 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     return ModelSpec(source, config, names[0], names, tokenizer_source, defaults)
 
 
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """FP8 e4m3 in Triton kernels ("fp8e4nv") needs Ada/Hopper or newer: say so at start-up rather
+    than fail in a kernel compile."""
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
+    if (kv_dtype == torch.float8_e4m3fn and config.device.startswith("cuda") and config.attention_backend == "triton"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(config.device) < (8, 9)):
+        raise ValueError("kv_cache_dtype fp8 with the triton attention backend needs a GPU of compute capability "
+                         "8.9 or newer (Ada, Hopper); use kv_cache_dtype auto")
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, spec: ModelSpec | None = None):
         spec = spec or resolve_model_spec(args)
         config = spec.config
+        _check_kv_cache_dtype(config)  # here, not in resolve_model_spec: the front must not touch CUDA
         self.config = config
         device, m = config.device, config.model
         compiles = device.startswith("cuda") and not args.enforce_eager
@@ -118,7 +130,8 @@ class EngineCore:
         if compiles:  # None for a backend that compiles no kernels on first launch
             precompile = start_attention_precompile(
                 m.hf_config, m.dtype, args.block_size, args.max_num_batched_tokens, m.max_model_len,
-                config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend)
+                config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend,
+                kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype))
         try:
             t0 = time.perf_counter()
             _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights)
@@ -147,8 +160,8 @@ class EngineCore:
         gc.freeze()
         if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
             seed_everything(args.seed)
-        logger.info("engine core ready: %s on %s, %s, backend %s", m.architecture, device, m.dtype,
-                    config.attention_backend)
+        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s", m.architecture, device, m.dtype,
+                    config.attention_backend, self.runner.kv_cache_dtype)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

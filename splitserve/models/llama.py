@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from splitserve.attention.layer import Attention
+from splitserve.attention.layer import Attention, kv_scale_targets
 from splitserve.layers.activation import silu_and_mul
 from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.norm import RMSNorm
@@ -135,6 +135,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            kv_scales = kv_scale_targets(name)
+            if kv_scales:  # FP8 KV-cache scales: buffers of the attention layer, not parameters
+                for attn, which in kv_scales:
+                    if not isinstance(modules.get(attn), Attention):
+                        raise ValueError(f"{name}: the model has no attention layer {attn} for this KV-cache scale")
+                    modules[attn].load_kv_scale(which, tensor)
+                continue
             module_name, _, param_name = name.rpartition(".")
             parent, _, leaf = module_name.rpartition(".")
             if leaf in self._STACKED:
