@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
+from splitserve.layers.quantization import QUANTIZATION_METHODS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("torch_ref", "triton")
@@ -20,6 +21,12 @@ class EngineArgs(CliOptions):
         "auto", choices=DTYPES,
         help="weights and activations; auto: float32 on CPU, else the checkpoint's float16/bfloat16 "
              "(bfloat16 when it names neither)")
+    quantization: str | None = option(
+        None, choices=QUANTIZATION_METHODS, default_text="the checkpoint's quantization_config, else none",
+        help="linear-layer quantization, by vLLM's names: fp8 quantizes a float checkpoint's weights to FP8 "
+             "at load (per-channel weights, per-token activations); compressed-tensors (FP8, W8A8 INT8) and "
+             "modelopt (FP8) name the format of an already quantized checkpoint, which is found without the "
+             "flag. GGUF files are dequantized at load")
     device: str | None = option(None, default_text="cuda if available, else cpu", help="cuda or cpu")
     max_model_len: int | None = option(
         None, default_text="the model's context length",

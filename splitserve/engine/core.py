@@ -21,6 +21,7 @@ from splitserve.core.scheduler import Scheduler
 from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
+from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, resolve_model
@@ -56,6 +57,7 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     if args.max_model_len is not None and args.max_model_len > context:
         raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
@@ -65,7 +67,8 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     arch, _ = get_model_class(hf_config.architectures)
     backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
     config = EngineConfig(
-        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos))),
+        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos)),
+                          quant_config),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
                           args.cpu_kv_cache_gib, args.enable_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
@@ -91,7 +94,7 @@ class EngineCore:
                 config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend)
         try:
             t0 = time.perf_counter()
-            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights)
+            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
             self.runner = ModelRunner(config, model)
             self.num_blocks = self.runner.determine_num_blocks()
@@ -114,8 +117,9 @@ class EngineCore:
         # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
         # them out of the collector's view (what start-up left as garbage stays: a little memory).
         gc.freeze()
-        logger.info("engine core ready: %s on %s, %s, backend %s", m.architecture, device, m.dtype,
-                    config.attention_backend)
+        logger.info("engine core ready: %s on %s, %s, backend %s, quantization %s", m.architecture, device,
+                    m.dtype, config.attention_backend,
+                    m.quantization or "none")
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -160,7 +160,8 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
 
     @api.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=model_name, root=serving.model_root, max_model_len=serving.max_model_len)
+        card = ModelCard(id=model_name, root=serving.model_root, max_model_len=serving.max_model_len,
+                         quantization=serving.quantization)
         return ModelList(data=[card]).model_dump()
 
     @api.post("/v1/completions", dependencies=[Depends(accepting)])
