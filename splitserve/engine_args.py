@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
 from splitserve.config import KV_CACHE_DTYPES
+from splitserve.layers.quantization import QUANTIZATION_METHODS
 
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
@@ -26,6 +27,12 @@ class EngineArgs(CliOptions):
         "auto", choices=DTYPES,
         help="weights and activations; auto: float32 on CPU, else the checkpoint's float16/bfloat16 "
              "(bfloat16 when it names neither)")
+    quantization: str | None = option(
+        None, choices=QUANTIZATION_METHODS, default_text="the checkpoint's quantization_config, else none",
+        help="linear-layer quantization, by vLLM's names: fp8 quantizes a float checkpoint's weights to FP8 "
+             "at load (per-channel weights, per-token activations); compressed-tensors (FP8, W8A8 INT8) and "
+             "modelopt (FP8) name the format of an already quantized checkpoint, which is found without the "
+             "flag. GGUF files are dequantized at load")
     device: str | None = option(None, default_text="cuda if available, else cpu", help="cuda or cpu")
     seed: int | None = option(
         None, default_text="none: unseeded requests draw fresh randomness",

@@ -23,6 +23,7 @@ from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
 from splitserve.models.generation_config import sampling_defaults
+from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, resolve_model
@@ -86,6 +87,7 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
                                  args.override_generation_config)
     hf_config = load_hf_config(source)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     if args.max_model_len is not None and args.max_model_len > context:
         raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
@@ -95,7 +97,8 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     arch, _ = get_model_class(hf_config.architectures)
     backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
     config = EngineConfig(
-        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos))),
+        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos)),
+                          quant_config),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
                           args.cpu_kv_cache_gib, args.enable_prefix_caching, args.kv_cache_dtype),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
@@ -134,7 +137,7 @@ class EngineCore:
                 kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype))
         try:
             t0 = time.perf_counter()
-            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights)
+            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
             self.runner = ModelRunner(config, model)
             self.num_blocks = self.runner.determine_num_blocks()
@@ -160,8 +163,8 @@ class EngineCore:
         gc.freeze()
         if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
             seed_everything(args.seed)
-        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s", m.architecture, device, m.dtype,
-                    config.attention_backend, self.runner.kv_cache_dtype)
+        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
+                    device, m.dtype, config.attention_backend, self.runner.kv_cache_dtype, m.quantization or "none")
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

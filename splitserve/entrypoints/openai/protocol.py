@@ -359,6 +359,7 @@ class ModelCard(BaseModel):
     owned_by: str = "splitserve"
     root: str | None = None
     max_model_len: int | None = None
+    quantization: str | None = None  # which quantization runs (vLLM's name first), None for float weights
 
 
 class ModelList(BaseModel):

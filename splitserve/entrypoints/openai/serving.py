@@ -80,6 +80,7 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
+        self.quantization = engine.engine.config.model.quantization
         # Vision-language models: the image processor, and what image sources are allowed (build_app
         # replaces the default policy with the server's flags).
         self.mm_processor = getattr(engine.engine, "mm_processor", None)
