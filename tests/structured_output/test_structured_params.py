@@ -91,6 +91,9 @@ def test_response_format_and_vllm_fields_become_one_constraint():
     assert chat(guided_regex="[0-9]+").structured_outputs.regex == "[0-9]+"
     assert chat(guided_choice=["a", "b"]).structured_outputs.choice == ["a", "b"]
     assert chat(guided_grammar='root ::= "x"').structured_outputs.grammar == 'root ::= "x"'
+    req = ChatCompletionRequest(messages=MSGS, guided_regex="a")
+    req.to_sampling_params()
+    assert req.constraint_field == "guided_regex"  # the param of an error found when it is compiled
     got = chat(structured_outputs={"choice": ["y"], "disable_any_whitespace": True}).structured_outputs
     assert got.choice == ["y"] and got.disable_any_whitespace
     c = CompletionRequest(prompt="hi", guided_regex="a", logit_bias={"3": -100}, allowed_token_ids=[3, 4],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer
 from pydantic.types import FailFast
 
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -129,6 +129,12 @@ class _SamplingRequest(_Request):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # vLLM's; xgrammar is the one backend
+    # The field the constraint came from, for the `param` of an error found later (an invalid schema).
+    _constraint_field: str = PrivateAttr(default="structured_outputs")
+
+    @property
+    def constraint_field(self) -> str:
+        return self._constraint_field
 
     def _check_common(self) -> None:
         if self.n > MAX_N:
@@ -178,6 +184,7 @@ class _SamplingRequest(_Request):
         if not sources:
             return None
         param, fields = sources[0]
+        self._constraint_field = param
         known = set(StructuredOutputsParams.__dataclass_fields__)
         unknown = sorted(set(fields) - known)
         if unknown:

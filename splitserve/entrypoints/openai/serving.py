@@ -166,7 +166,7 @@ class OpenAIServing:
             return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def _check_constraint(self, params: SamplingParams) -> None:
+    async def _check_constraint(self, params: SamplingParams, param: str) -> None:
         """Parses a structured output constraint before the request goes in: a large schema on a worker
         thread, not on the event loop (the engine's own check then finds it in its cache)."""
         so = params.structured_outputs
@@ -178,7 +178,7 @@ class OpenAIServing:
         try:
             await self._off_loop(size, check_structured_outputs, so)
         except ValueError as e:
-            raise APIError(400, str(e), param="structured_outputs") from None
+            raise APIError(400, str(e), param=param) from None
 
     def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
         if not isinstance(prompt, str):
@@ -357,7 +357,7 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         params = req.to_sampling_params()
-        await self._check_constraint(params)
+        await self._check_constraint(params, req.constraint_field)
         prompts = req.prompts()
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
@@ -430,7 +430,7 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         params = req.to_sampling_params()
-        await self._check_constraint(params)
+        await self._check_constraint(params, req.constraint_field)
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
         prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
                                       self.apply_chat_template, req.messages, req.add_generation_prompt,
