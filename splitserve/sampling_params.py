@@ -200,12 +200,6 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    @property
-    def needs_output_history(self) -> bool:
-        """Sampling reads the tokens generated so far on the host (penalties; a bad word of several
-        tokens is banned only after its first tokens): the next step waits for this one's tokens."""
-        return self.needs_penalties or any(len(w) > 1 for w in self._bad_words_token_ids or ())
-
     def for_child(self, index: int) -> "SamplingParams":
         """Params of the index-th of n parallel samples: n=1, and a distinct derived seed."""
         seed = None if self.seed is None else self.seed + index

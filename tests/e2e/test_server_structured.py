@@ -81,7 +81,7 @@ def test_logit_bias_through_the_api(client):
     ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
     ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs", 'Rule "nothing" is not defined'),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex", "several"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "several"),
     ({"response_format": {"type": "xml"}}, "response_format", "not supported"),
     ({"logit_bias": {"999999": 5}}, "logit_bias", "outside the vocabulary"),
     ({"logit_bias": {"1": 500}}, "logit_bias", "[-100, 100]"),
