@@ -26,13 +26,17 @@ from splitserve.models.generation_config import sampling_defaults
 from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
-from splitserve.models.resolve import ModelSource, resolve_model
+from splitserve.models.resolve import ModelSource, load_tokenizer, resolve_model
 from splitserve.request import Request, RequestStatus
 from splitserve.startup.bytecode import start_bytecode_warmup
 from splitserve.startup.kernel_precompile import start_attention_precompile
+from splitserve.structured_output.manager import StructuredOutputManager
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# How long a step that can schedule nothing waits for a grammar compile before it returns.
+_COMPILE_WAIT_S = 0.005
 
 # A step failure fails that step's requests; this many in a row with no good step between them means
 # the device or model is broken for good (a lost GPU fails every step), and the engine gives up.
@@ -118,6 +122,16 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
                          "8.9 or newer (Ada, Hopper); use kv_cache_dtype auto")
 
 
+def _core_tokenizer(spec: ModelSpec, random_weights: bool):
+    """The tokenizer, for xgrammar's view of the vocabulary (the front's choice, made the same way)."""
+    try:
+        return load_tokenizer(spec.source)
+    except (OSError, ValueError):
+        if not random_weights:
+            raise
+        return load_tokenizer(None)
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, spec: ModelSpec | None = None):
         spec = spec or resolve_model_spec(args)
@@ -151,7 +165,10 @@ class EngineCore:
         install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.model = model
         self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
+        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
+                                                  lambda: _core_tokenizer(spec, args.random_weights))
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
@@ -169,9 +186,13 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self.num_received += 1
-        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                           req.eos_token_ids, req.max_total_tokens, req.arrival_time,
-                                           mm_items=req.mm_items))
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
+                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items)
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.structured_outputs is not None:
+            self.structured.register(request)  # its grammar compiles meanwhile; admitted when ready
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
         """Ends sequences wherever they are and frees their blocks; unknown ids are ignored. The front
@@ -214,9 +235,14 @@ class EngineCore:
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
             outputs += self._process(inflight)
             inflight = None
+        if self.structured.live:
+            outputs += self._fail_grammars()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
         if not sched.is_empty:
+            # Masks of the constrained requests that sample: their matchers have seen every token
+            # (a step where they sampled is collected before this one is scheduled).
+            sched.grammar = self.structured.step_bitmask(sched, self.scheduler.samples_after)
             try:
                 launched = self.runner.launch(sched, inflight)
             except Exception as exc:
@@ -227,12 +253,24 @@ class EngineCore:
                 self._inflight = launched
         elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
             self.runner.update_states(sched)
+        if sched.is_empty and inflight is None and self._inflight is None and self.structured.live:
+            self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar
         if inflight is not None:
             outputs += self._process(inflight)
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
         self._flush_removals()
+        return outputs
+
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        """Ends the requests whose grammar failed to compile (the front checks grammars, so this is
+        rare: a tokenizer that cannot be loaded, say)."""
+        outputs = []
+        for request, reason in self.structured.take_failed():
+            logger.error("request %s: %s", request.request_id, reason)
+            if self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason))
         return outputs
 
     def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:

@@ -58,7 +58,7 @@ class InFlightStep:
     token_ids: torch.Tensor | None = None
     host: tuple = ()  # (token ids, logprobs, logprob ids, ranks) on the host, copied without blocking
     done: torch.cuda.Event | None = None
-    needs_sync: bool = False  # the next step must see these tokens on the host (penalties)
+    needs_sync: bool = False  # the next step must see these tokens on the host (penalties, grammars)
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -147,7 +147,7 @@ class ModelRunner:
                                   self.max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
         # The worker's persistent batch: what it keeps about each request between step messages.
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
-                                      self.max_blocks_per_seq)
+                                      self.max_blocks_per_seq, config.model.vocab_size)
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -281,7 +281,8 @@ class ModelRunner:
         meta_sampling = None
         if num_samples:
             meta_sampling = build_sampling_metadata(ib, sample_rows, sample_requests,
-                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device)
+                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device,
+                                                    sched.grammar)
         fill_src = None
         if len(pending):
             assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
