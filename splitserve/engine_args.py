@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
+from splitserve.config import KV_CACHE_DTYPES
+from splitserve.layers.quantization import QUANTIZATION_METHODS
 
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
@@ -25,6 +27,12 @@ class EngineArgs(CliOptions):
         "auto", choices=DTYPES,
         help="weights and activations; auto: float32 on CPU, else the checkpoint's float16/bfloat16 "
              "(bfloat16 when it names neither)")
+    quantization: str | None = option(
+        None, choices=QUANTIZATION_METHODS, default_text="the checkpoint's quantization_config, else none",
+        help="linear-layer quantization, by vLLM's names: fp8 quantizes a float checkpoint's weights to FP8 "
+             "at load (per-channel weights, per-token activations); compressed-tensors (FP8, W8A8 INT8) and "
+             "modelopt (FP8) name the format of an already quantized checkpoint, which is found without the "
+             "flag. GGUF files are dequantized at load")
     device: str | None = option(None, default_text="cuda if available, else cpu", help="cuda or cpu")
     seed: int | None = option(
         None, default_text="none: unseeded requests draw fresh randomness",
@@ -42,6 +50,11 @@ class EngineArgs(CliOptions):
     gpu_memory_utilization: float = option(
         0.9, help="fraction of the GPU's memory the engine may use, KV cache included")
     cpu_kv_cache_gib: float = option(1.0, help="KV-cache size on CPU, in GiB")
+    kv_cache_dtype: str = option(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="KV-cache element type; auto: the model's dtype; fp8 (the same as fp8_e4m3): FP8 e4m3 with "
+             "per-layer k/v scales from the checkpoint (1.0 when it has none), twice the tokens of a "
+             "bf16 cache in the same memory (CUDA needs compute capability 8.9+)")
     enable_prefix_caching: bool = option(
         True, negative_aliases=("--no-prefix-caching",),
         help="reuse the KV blocks of identical prompt prefixes across requests")
@@ -74,6 +87,11 @@ class EngineArgs(CliOptions):
             self.served_model_name = [self.served_model_name]
         if self.served_model_name is not None and not self.served_model_name:
             self.served_model_name = None  # a bare --served-model-name: the default name
+
+    def __post_init__(self) -> None:
+        # Checked here too (CacheConfig checks it again) so LLM(kv_cache_dtype=...) fails at once.
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def cli_title(cls) -> str:

@@ -17,7 +17,7 @@ import torch
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.attention.registry import get_backend
-from splitserve.config import EngineConfig
+from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.core.sched_output import SchedulerOutput
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -58,7 +58,7 @@ class InFlightStep:
     token_ids: torch.Tensor | None = None
     host: tuple = ()  # (token ids, logprobs, logprob ids, ranks) on the host, copied without blocking
     done: torch.cuda.Event | None = None
-    needs_sync: bool = False  # the next step must see these tokens on the host (penalties)
+    needs_sync: bool = False  # the next step must see these tokens on the host (penalties, grammars)
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -139,12 +139,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
+        # The cache's element type: the model's, or FP8 e4m3 (1 byte: twice the tokens of bf16 in the
+        # same memory; the attention layers' k_scale / v_scale map it back).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.stagings = [_Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
         # The worker's persistent batch: what it keeps about each request between step messages.
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
-                                      self.max_blocks_per_seq)
+                                      self.max_blocks_per_seq, config.model.vocab_size)
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -157,7 +160,7 @@ class ModelRunner:
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         m = self.config.model
-        elem = torch.empty((), dtype=m.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_layers
 
     def determine_num_blocks(self) -> int:
@@ -183,12 +186,13 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=m.dtype, device=self.device) for _ in range(m.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                          for _ in range(m.num_layers)]
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.kv_cache = self.kv_caches[module.layer_idx]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * self.bytes_per_block() / (1 << 30))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
+                    num_blocks * self.bytes_per_block() / (1 << 30), str(self.kv_cache_dtype).removeprefix("torch."))
 
     # -- fast path (CUDA) --------------------------------------------------------------------------
     def setup_fast_path(self) -> None:
@@ -277,7 +281,8 @@ class ModelRunner:
         meta_sampling = None
         if num_samples:
             meta_sampling = build_sampling_metadata(ib, sample_rows, sample_requests,
-                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device)
+                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device,
+                                                    sched.grammar)
         fill_src = None
         if len(pending):
             assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"

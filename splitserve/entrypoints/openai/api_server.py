@@ -187,7 +187,8 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
     api = APIRouter(dependencies=[Depends(require_key)])
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=serving.model_root, max_model_len=serving.max_model_len)
+        return ModelCard(id=name, root=serving.model_root, max_model_len=serving.max_model_len,
+                         quantization=serving.quantization)
 
     @api.get("/v1/models")
     async def models() -> dict:

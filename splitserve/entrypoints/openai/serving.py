@@ -42,6 +42,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # tokenizers release the GIL while encoding); short ones stay on the loop, where they cost less than
 # the hop to a thread.
 _INLINE_TEXT_CHARS = 1024
+# Request fields whose errors the engine reports with the field's name first.
+_PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"})
 _TOKENIZE_WORKERS = 4
 
 
@@ -80,6 +82,7 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
+        self.quantization = engine.engine.config.model.quantization
         # Vision-language models: the image processor, and what image sources are allowed (build_app
         # replaces the default policy with the server's flags).
         self.mm_processor = getattr(engine.engine, "mm_processor", None)
@@ -171,6 +174,20 @@ class OpenAIServing:
             return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    async def _check_constraint(self, params: SamplingParams, param: str) -> None:
+        """Parses a structured output constraint before the request goes in: a large schema on a worker
+        thread, not on the event loop (the engine's own check then finds it in its cache)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        from splitserve.structured_output.grammar import check_structured_outputs
+        spec = so.json if so.json is not None else (so.regex or so.grammar or so.choice or "")
+        size = len(spec) if isinstance(spec, str) else len(repr(spec))
+        try:
+            await self._off_loop(size, check_structured_outputs, so)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
     def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
         if not isinstance(prompt, str):
             self._check_length(prompt, param)
@@ -188,8 +205,11 @@ class OpenAIServing:
             raise overloaded(str(e)) from None
         except ValueError as e:
             message = str(e)
+            first = message.split(" ", 1)[0].rstrip(":.")
             if message.startswith("n must"):
                 param = "n"
+            elif first in _PARAM_ERRORS:
+                param = first
             elif "max_tokens" in message:
                 param = "max_tokens"
             raise APIError(400, message, param=param) from None
@@ -351,6 +371,7 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         params = req.to_sampling_params(self.sampling_defaults)
+        await self._check_constraint(params, req.constraint_field)
         prompts = req.prompts()
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
@@ -423,6 +444,7 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         params = req.to_sampling_params(self.sampling_defaults)
+        await self._check_constraint(params, req.constraint_field)
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
         prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
                                       self.apply_chat_template, req.messages, req.add_generation_prompt,
