@@ -310,7 +310,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         why = "the port is in use (another server?); stop it or choose another --port" \
             if e.errno == errno.EADDRINUSE else e.strerror
         raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
-    sock.set_inheritable(True)
     return sock
 
 
