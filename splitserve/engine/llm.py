@@ -63,11 +63,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             **template_kwargs: Any) -> list[RequestOutput]:
-        """`chat_template`: a Jinja template (text) to use instead of the tokenizer's."""
+             tools: list[dict] | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """`chat_template`: a Jinja template (text) to use instead of the tokenizer's. `tools`: OpenAI
+        tool definitions, given to the template (which decides how the model sees them); the calls are
+        not parsed out of the answers here."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if chat_template is not None:
             template_kwargs["chat_template"] = chat_template
+        if tools:
+            template_kwargs["tools"] = tools
         from splitserve.multimodal.processor import offline_chat_prompt  # handles image content parts
         prompts = [offline_chat_prompt(self, c, add_generation_prompt, **template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

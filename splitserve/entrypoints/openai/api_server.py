@@ -98,7 +98,9 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
     stats_logger = None if getattr(args, "disable_log_stats", True) else StatsLogger(metrics, lambda: async_engine.stats)
     source = getattr(llm, "source", None)
     serving = OpenAIServing(async_engine, model_name, getattr(source, "path", None),
-                            log_requests=bool(getattr(args, "enable_log_requests", False)))
+                            log_requests=bool(getattr(args, "enable_log_requests", False)),
+                            tool_parser=getattr(args, "tool_call_parser", None)
+                            if getattr(args, "enable_auto_tool_choice", False) else None)
     serving.media_policy = MediaPolicy.from_args(args)  # image sources: --allowed-*, --limit-mm-per-prompt
     page = _chat_page()
 

@@ -13,6 +13,7 @@ from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_COMPAT = ("vllm",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # tool_parsers.PARSERS, without importing it
 
 
 def _api_key_from_env() -> str | None:
@@ -72,6 +73,11 @@ class ServerArgs(CliOptions):
     metrics_compat: str | None = option(
         None, choices=METRICS_COMPAT, default_text="none",
         help="vllm: /metrics also answers every splitserve: metric under its vllm: name (dashboards)")
+    enable_auto_tool_choice: bool = option(
+        False, help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
+    tool_call_parser: str | None = option(
+        None, choices=TOOL_CALL_PARSERS, default_text="none",
+        help="the tool-call format the model writes, read out of its answers for tool_choice auto")
     stream_interval: int = option(
         1, metavar="N", help="stream a running request's tokens in events of N (a request's last event may hold fewer)")
 
@@ -87,6 +93,9 @@ class ServerArgs(CliOptions):
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                             f"({', '.join(TOOL_CALL_PARSERS)})")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
 
