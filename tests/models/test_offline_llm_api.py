@@ -95,7 +95,7 @@ def test_chat_with_a_template_of_its_own(llm):
     assert out.prompt_token_ids == expected
 
 
-TOOLS_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+TOOLS_TEMPLATE = ("{% if tools %}[tools] {% for t in tools %}{{ t.function.name }} {% endfor %}| {% endif %}"
                   + TEMPLATE)
 
 
@@ -104,7 +104,7 @@ def test_chat_gives_tools_to_the_template(llm):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     out = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=TOOLS_TEMPLATE,
                    tools=tools)[0]
-    expected = llm.get_tokenizer().encode("[tools] get_weather \n[user] weather?\n[assistant]",
+    expected = llm.get_tokenizer().encode("[tools] get_weather | [user] weather?\n[assistant]",
                                           add_special_tokens=False)
     assert out.prompt_token_ids == expected
 

@@ -30,7 +30,8 @@ def constrain(plan: ToolPlan | None, params: SamplingParams, parser: str | None)
         if params.structured_outputs is not None:
             raise APIError(400, f"tool_choice {plan.mode!r} constrains the output itself; it cannot be combined "
                                 f"with response_format or another structured output constraint", param="tool_choice")
-        so = StructuredOutputsParams(json=plan.schema())
+        # Compact JSON: free whitespace only costs tokens (small models pad with runs of newlines).
+        so = StructuredOutputsParams(json=plan.schema(), disable_any_whitespace=True)
         return dataclasses.replace(params, structured_outputs=so)
     if reads_calls(plan, parser) and get_tool_parser(parser).needs_special_tokens:
         # The format's markers are special tokens: the text must keep them for the parser to see.
