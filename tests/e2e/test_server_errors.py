@@ -74,7 +74,7 @@ BAD_CHATS = [
     ({"max_completion_tokens": -2}, "max_tokens"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs --enable-auto-tool-choice
 ]
 
 
