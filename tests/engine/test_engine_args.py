@@ -245,3 +245,13 @@ def test_help_with_a_percent_sign_is_escaped():
     p = argparse.ArgumentParser()
     Pct.add_cli_args(p)
     assert "use 90% of it (default: 0.9)" in " ".join(p.format_help().split())
+
+
+def test_quantization_flag_takes_vllm_names():
+    assert EngineArgs.from_namespace(parse_serve([])).quantization is None  # from the checkpoint
+    assert EngineArgs.from_namespace(parse_serve(["--quantization", "fp8"])).quantization == "fp8"
+    assert EngineArgs.from_namespace(parse_serve(["--quantization", "compressed-tensors"])).quantization == \
+        "compressed-tensors"
+    with pytest.raises(SystemExit):
+        parse_serve(["--quantization", "int3"])
+    assert "--quantization" in serve_parser().format_help()

@@ -228,3 +228,16 @@ def test_modelopt_is_found_beside_the_weights(tmp_path):
     assert config.name == "modelopt"
     assert config.linear_method(["lm_head"]).quantization is None
     assert config.skip_tensor("model.layers.0.self_attn.k_proj.k_scale")
+
+
+def test_ignore_lists_match_every_spelling_of_a_module_name():
+    """compressed-tensors writes a VLM's ignore list as `language_model.lm_head`,
+    `vision_tower.encoder...`; transformers names the modules `lm_head`, `model.vision_tower...`."""
+    config = resolve_quant_config(None, Cfg({**ct(), "ignore": ["language_model.lm_head", "vision_tower.encoder.layers.0.mlp.fc1",
+                                                                "re:layers.1.mlp"]}), None)
+    method = config.linear_method
+    assert method(["lm_head"]).quantization is None
+    assert method(["model.vision_tower.encoder.layers.0.mlp.fc1"]).quantization is None
+    assert method(["model.language_model.layers.1.mlp.down_proj"]).quantization is None
+    assert method(["model.language_model.layers.0.mlp.down_proj"]).quantization == "compressed-tensors"
+    assert method(["model.language_model.layers.10.mlp.down_proj"]).quantization == "compressed-tensors"

@@ -1,6 +1,7 @@
 """A LLaVA checkpoint whose language model is FP8 (compressed-tensors FP8_DYNAMIC, vision tower and
 projector ignored, as llm-compressor's VLM recipes write them): the decoder runs quantized, the
 vision side stays float, and splitserve matches transformers on the same checkpoint."""
+import json
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from tests.multimodal_reference import hf_processor, make_tiny_llava_dir, mm_tok
 from tests.quant_reference import compare_greedy, quantize_hf_model, save_compressed
 
 NEW_TOKENS = 10
+IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
 PROMPTS = [("USER: <image>\nWhat is shown here? ASSISTANT:", [(80, 60)]),
            ("Tell me a story about a robot.", []),
            ("Compare <image> with <image> please.", [(50, 90), (64, 64)])]
@@ -29,8 +31,16 @@ def test_fp8_llava_language_model_quantized_vision_float(tmp_path):
     tokenizer = mm_tokenizer()
     float_dir = make_tiny_llava_dir(tmp_path / "float", tokenizer, tower="clip", seed=3)
     model = transformers.LlavaForConditionalGeneration.from_pretrained(float_dir, dtype=torch.float32).eval()
-    quantize_hf_model(model, "FP8_DYNAMIC", [], ignore=["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"])
+    quantize_hf_model(model, "FP8_DYNAMIC", [], ignore=IGNORE)
     path = save_compressed(model, str(tmp_path / "fp8"), tokenizer)
+    # compressed-tensors saves the ignore list as the names it sees (`language_model.lm_head`,
+    # `vision_tower.encoder...`), which transformers itself then fails to match to its modules when
+    # loading the checkpoint back; recipes' own regexes match every spelling.
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["ignore"] = IGNORE
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
     for name in ("preprocessor_config.json",):
         shutil.copy(f"{float_dir}/{name}", f"{path}/{name}")
 

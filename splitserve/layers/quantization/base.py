@@ -16,6 +16,7 @@ of its own.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,24 @@ class QuantConfig:
 
     def describe(self) -> str:
         return self.name
+
+
+_WRAPPERS = re.compile(r"(^|\.)(model|language_model)(?=\.)")
+
+
+def name_variants(name: str) -> tuple[str, ...]:
+    """The spellings of one module's checkpoint name that quantization configs use: as the model
+    code names it (transformers' module names: `model.language_model.layers.0.mlp.down_proj`,
+    `lm_head`) and without the `model.` / `language_model.` wrappers that differ between
+    transformers versions and tools (`language_model.lm_head`, `language_model.model.layers...`
+    and `layers...` are the same modules)."""
+    bare = _WRAPPERS.sub("", name).lstrip(".")
+    return (name,) if bare == name else (name, bare)
+
+
+def names_match(name: str, entry: str) -> bool:
+    """An exact-name config entry (ignore list, exclude list) names this module, in any spelling."""
+    return bool(set(name_variants(name)) & set(name_variants(entry)))
 
 
 def same_method(methods: list[LinearMethod], names: list[str]) -> LinearMethod:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import re
 
-from splitserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantConfig, same_method
+from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, QuantConfig, name_variants, names_match,
+                                                 same_method)
 from splitserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8Scheme
 from splitserve.layers.quantization.int8 import Int8LinearMethod, Int8Scheme
 
@@ -25,9 +26,12 @@ _KV_SCALE = re.compile(r"\.(k_scale|v_scale|q_scale|prob_scale)$")
 
 
 def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' rule (a class name, an exact name, or "re:" matched from the start),
+    over the spellings of the name (base.name_variants: tools write `language_model.lm_head` for
+    transformers' `lm_head`)."""
     if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name or target in _LAYER_CLASSES
+        return any(re.match(target[3:], n) is not None for n in name_variants(name))
+    return target in _LAYER_CLASSES or names_match(name, target)
 
 
 def _describe_args(args: dict | None) -> str:

@@ -32,8 +32,8 @@ from torch import nn
 
 from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear
 from splitserve.layers.quantization import ops
-from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, register_param,
-                                                 replace_param, same_method)
+from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
+                                                 register_param, replace_param, same_method)
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_STRATEGIES = ("static", "token", "group", "none")
@@ -214,8 +214,10 @@ def _(x, w, w_scale, bias):
 # -- the "fp8" quantization config ------------------------------------------------------------------
 def name_matches(name: str, pattern: str) -> bool:
     """`pattern` names this module or one of its ancestors, as whole dotted components
-    ("lm_head", "layers.0.mlp"), so "layers.1" does not match "layers.10"."""
-    return re.search(rf"(^|\.){re.escape(pattern)}($|\.)", name) is not None
+    ("lm_head", "layers.0.mlp"; "layers.1" does not match "layers.10"), in any of the name's
+    spellings (base.name_variants)."""
+    return any(re.search(rf"(^|\.){re.escape(p)}($|\.)", n) is not None
+               for n in name_variants(name) for p in name_variants(pattern))
 
 
 class Fp8Config(QuantConfig):

@@ -13,7 +13,7 @@ import fnmatch
 import logging
 import re
 
-from splitserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantConfig, same_method
+from splitserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantConfig, name_variants, same_method
 from splitserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8Scheme, name_matches
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class ModelOptConfig(QuantConfig):
     def _excluded(self, name: str) -> bool:
         for pattern in self.exclude:
             if any(c in pattern for c in "*?["):
-                if fnmatch.fnmatchcase(name, pattern):
+                if any(fnmatch.fnmatchcase(n, pattern) for n in name_variants(name)):
                     return True
             elif name_matches(name, pattern):
                 return True
