@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from splitserve.attention.layer import Attention
+from splitserve.attention.layer import Attention, kv_scale_targets
 from splitserve.layers.activation import silu_and_mul
 from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.quantization.base import QuantConfig, method_for
@@ -147,11 +147,19 @@ class LlamaForCausalLM(nn.Module):
         for full_name, tensor in weights:
             name = full_name[len("model."):] if full_name.startswith("model.") else full_name
             # Deliberately unused: rotary tables (recomputed), a tied head's copy of the embedding,
-            # and what the quantization format says the engine does not use (KV-cache scales).
+            # and what the quantization format says the engine does not use. KV-cache scales go to the
+            # attention layers (used when the KV cache is FP8).
             if "rotary_emb.inv_freq" in name:
                 continue
             if name.startswith("lm_head.") and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            kv_scales = kv_scale_targets(name)
+            if kv_scales:  # FP8 KV-cache scales: buffers of the attention layer, not parameters
+                for attn, which in kv_scales:
+                    if not isinstance(modules.get(attn), Attention):
+                        raise ValueError(f"{name}: the model has no attention layer {attn} for this KV-cache scale")
+                    modules[attn].load_kv_scale(which, tensor)
+                continue
             if self.quant_config is not None and self.quant_config.skip_tensor(full_name):
                 continue
             module_name, _, param_name = name.rpartition(".")

@@ -19,7 +19,8 @@ from splitserve.models.text_config import ARCH_BY_MODEL_TYPE, read_text_config, 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}  # vLLM's (and torch's) spellings
 
 
 @functools.lru_cache(maxsize=2)
@@ -94,7 +95,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str) -> torch.dty
         return dtype
     if dtype != "auto":
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+            raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, got {dtype!r}")
         return _DTYPES[dtype]
     if device == "cpu":
         return torch.float32  # CPU half-precision matmuls are slow and lossy

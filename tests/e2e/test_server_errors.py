@@ -54,7 +54,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [["a"], 3]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),
     ({"stream": "sometimes"}, "stream"),
 ]
 

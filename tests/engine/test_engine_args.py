@@ -137,6 +137,24 @@ def test_bad_choice_is_refused():
         parse_serve(["--dtype", "int4"])
     with pytest.raises(SystemExit):
         parse_serve(["--max-num-seqs", "many"])
+    with pytest.raises(SystemExit):
+        parse_serve(["--kv-cache-dtype", "fp8_e5m2"])
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "auto"])
+def test_kv_cache_dtype_parses(value):
+    assert EngineArgs.from_namespace(parse_serve(["--kv-cache-dtype", value])).kv_cache_dtype == value
+    assert EngineArgs.from_namespace(parse_serve([])).kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int8", "bfloat16", ""])
+def test_unsupported_kv_cache_dtype_is_a_clear_error(value):
+    from splitserve import LLM
+    from splitserve.config import CacheConfig
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got"):
+        LLM("/no/such/model", kv_cache_dtype=value)  # refused before the model is looked up
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
+        CacheConfig(kv_cache_dtype=value)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -190,8 +208,9 @@ def test_bench_throughput_and_generate_take_the_engine_options():
     parser = cli.build_parser()
     ns = parser.parse_args(["bench", "throughput", "cfg", "--random-weights", "--no-prefix-caching",
                             "--input-len", "8", "--seed", "3"])
+    # --seed is the engine's seed there too (and the prompts' seed of the benchmark)
     assert EngineArgs.from_namespace(ns) == EngineArgs(model="cfg", random_weights=True,
-                                                       enable_prefix_caching=False)
+                                                       enable_prefix_caching=False, seed=3)
     ns = parser.parse_args(["generate", "--prompt", "hi", "--cpu-kv-cache-gib", "0.5"])
     assert EngineArgs.from_namespace(ns).cpu_kv_cache_gib == 0.5
 

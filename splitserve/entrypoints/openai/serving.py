@@ -42,6 +42,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # tokenizers release the GIL while encoding); short ones stay on the loop, where they cost less than
 # the hop to a thread.
 _INLINE_TEXT_CHARS = 1024
+# Request fields whose errors the engine reports with the field's name first.
+_PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"})
 _TOKENIZE_WORKERS = 4
 
 
@@ -68,10 +70,16 @@ def _sse(payload: str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None = None,
+                 log_requests: bool = False):
         self.engine = engine
         self.model_name = model_name
+        # --served-model-name a b: clients may send any of them; responses name the first.
+        self.served_model_names = tuple(getattr(engine.engine, "served_model_names", None) or (model_name,))
         self.model_root = model_root
+        # The generation config's sampling defaults, for fields a request leaves unset.
+        self.sampling_defaults = dict(getattr(engine.engine, "sampling_defaults", None) or {})
+        self.log_requests = log_requests
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
         self.quantization = engine.engine.config.model.quantization
@@ -88,8 +96,9 @@ class OpenAIServing:
 
     # -- shared ---------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(f"`{n}`" for n in self.served_model_names)
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
 
     async def _off_loop(self, text_chars: int, fn, *args, **kwargs):
@@ -165,9 +174,29 @@ class OpenAIServing:
             return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    async def _check_constraint(self, params: SamplingParams, param: str) -> None:
+        """Parses a structured output constraint before the request goes in: a large schema on a worker
+        thread, not on the event loop (the engine's own check then finds it in its cache)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        from splitserve.structured_output.grammar import check_structured_outputs
+        spec = so.json if so.json is not None else (so.regex or so.grammar or so.choice or "")
+        size = len(spec) if isinstance(spec, str) else len(repr(spec))
+        try:
+            await self._off_loop(size, check_structured_outputs, so)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
     def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
         if not isinstance(prompt, str):
             self._check_length(prompt, param)
+        if self.log_requests:  # never the text: prompts may be private
+            size = f"{len(prompt)} characters" if isinstance(prompt, str) else f"{len(prompt)} tokens"
+            logger.info("request %s: prompt of %s; n=%d temperature=%g top_p=%g top_k=%d min_p=%g "
+                        "repetition_penalty=%g max_tokens=%s seed=%s logprobs=%s", request_id, size, params.n,
+                        params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+                        params.max_tokens, params.seed, params.logprobs)
         try:
             return self.engine.add_request(request_id, prompt, params)
         except EngineOverloadedError as e:
@@ -176,8 +205,11 @@ class OpenAIServing:
             raise overloaded(str(e)) from None
         except ValueError as e:
             message = str(e)
+            first = message.split(" ", 1)[0].rstrip(":.")
             if message.startswith("n must"):
                 param = "n"
+            elif first in _PARAM_ERRORS:
+                param = first
             elif "max_tokens" in message:
                 param = "max_tokens"
             raise APIError(400, message, param=param) from None
@@ -338,7 +370,8 @@ class OpenAIServing:
     # -- /v1/completions ------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
+        await self._check_constraint(params, req.constraint_field)
         prompts = req.prompts()
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
@@ -410,7 +443,8 @@ class OpenAIServing:
     # -- /v1/chat/completions -------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
+        await self._check_constraint(params, req.constraint_field)
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
         prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
                                       self.apply_chat_template, req.messages, req.add_generation_prompt,

@@ -16,8 +16,10 @@ them per output channel once loading is done; activations are per token.
 
 On CPU the layer is emulated: activations are quantized exactly as on the GPU, then both sides are
 dequantized and multiplied in float32 (what the checkpoint's own library computes as reference).
-`Fp8LinearMethod.gpu_matmul` is where the GPU matmul is chosen (torch._scaled_mm today; the place
-for our own few-token kernels).
+`Fp8LinearMethod.gpu_matmul` is where the GPU matmul is chosen: dynamic per-token activations with
+per-channel (or per-shard) weight scales go to `quant_kernels.fp8_linear` (our split-K Triton kernel
+for few tokens, torch._scaled_mm for many), as a custom op so that torch.compile treats it as one
+opaque call; static activation scales use torch._scaled_mm directly.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
                                                  register_param, replace_param, same_method)
@@ -177,7 +180,10 @@ class Fp8LinearMethod(LinearMethod):
 
         torch._scaled_mm with row-wise scales: per-token (or a static scale spread over the tokens)
         for the activations, per output feature for the weights (per-shard scales were spread
-        over their shards' features at load, exactly). A few-token split-K kernel goes here."""
+        over their shards' features at load, exactly). Dynamic per-token activations go to our
+        kernels (fp8_linear_op), which quantize few-token inputs per 128-input group inside the GEMM."""
+        if self.scheme.activations == "token" and x.dtype in (torch.bfloat16, torch.float16):
+            return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.bias)
         q, scale = self.quantize_input(layer, x)
         scale_a = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous() if self.scheme.activations == "static" else scale
         out = torch._scaled_mm(q, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, -1),
@@ -190,6 +196,19 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         out = self.gpu_matmul(layer, x2) if layer.fp8_scaled_mm else self.emulated_matmul(layer, x2)
         return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+
+# An opaque op for the compiler: fp8_linear picks a kernel by the token count (a Python branch that
+# Dynamo must not trace into a guard per size) and launches Triton kernels with split-K counters.
+@torch.library.custom_op("splitserve::fp8_linear", mutates_args=())
+def fp8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return fp8_linear(x, w, w_scale, bias)
+
+
+@fp8_linear_op.register_fake
+def _(x, w, w_scale, bias):
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 # -- the "fp8" quantization config ------------------------------------------------------------------
