@@ -101,6 +101,9 @@ def make_gptq_or_awq(path, tokenizer, fmt: str, bits: int, group: int, symmetric
     model = tiny_llama(tokenizer, seed)
     gen = torch.Generator().manual_seed(seed + 100)
     tensors = {}
+    # desc_act orders input channels by the Hessian of the layer's input, so projections of the same
+    # input (q/k/v, gate/up) share one g_idx
+    shared_g_idx: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         module = name.rsplit(".", 1)[0]
         if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in QUANTIZED):
@@ -108,7 +111,11 @@ def make_gptq_or_awq(path, tokenizer, fmt: str, bits: int, group: int, symmetric
             continue
         w = t.float()
         n, k = w.shape
-        g_idx = act_order_g_idx(k, group, gen) if desc_act else (torch.arange(k) // group).to(torch.int32)
+        same_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        if desc_act:
+            g_idx = shared_g_idx.setdefault(same_input, act_order_g_idx(k, group, gen))
+        else:
+            g_idx = (torch.arange(k) // group).to(torch.int32)
         q, scale, zero, dequant = group_quantize(w, bits, g_idx, symmetric)
         t.copy_(dequant)  # the reference model runs exactly these weights
         if fmt == "gptq":
@@ -116,7 +123,7 @@ def make_gptq_or_awq(path, tokenizer, fmt: str, bits: int, group: int, symmetric
             tensors[f"{module}.qweight"] = pack_rows(q.t(), bits)
             tensors[f"{module}.qzeros"] = pack_rows((stored_zero & (2 ** bits - 1)).t(), bits).t()
             tensors[f"{module}.scales"] = scale.half()
-            tensors[f"{module}.g_idx"] = g_idx
+            tensors[f"{module}.g_idx"] = g_idx.clone()
         else:
             tensors[f"{module}.qweight"] = pack_awq(q.t())
             tensors[f"{module}.qzeros"] = pack_awq(zero)
@@ -133,9 +140,12 @@ def make_gptq_or_awq(path, tokenizer, fmt: str, bits: int, group: int, symmetric
 
 
 @torch.no_grad()
-def make_pack_quantized(path, tokenizer, bits: int, group: int, symmetric: bool, seed: int = 0) -> str:
+def make_pack_quantized(path, tokenizer, bits: int, group: int, symmetric: bool, seed: int = 0):
     """A compressed-tensors pack-quantized checkpoint (W4A16 / W8A16, group `group` or -1 for
-    channel), min-max scales from the tests' group_quantize, compressed by compressed-tensors."""
+    channel), min-max scales from the tests' group_quantize, compressed by compressed-tensors.
+    Returns (path, reference): the reference model runs the weights compressed-tensors' own
+    fake_quantize makes (transformers 5 cannot load packed asymmetric zero points back)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     model = tiny_llama(tokenizer, seed)
@@ -145,6 +155,7 @@ def make_pack_quantized(path, tokenizer, bits: int, group: int, symmetric: bool,
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     half = 2 ** (bits - 1)
+    dequantized = {}
     for _, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
@@ -155,4 +166,10 @@ def make_pack_quantized(path, tokenizer, bits: int, group: int, symmetric: bool,
         module.weight_scale.data.copy_(scale.t().reshape(module.weight_scale.shape))
         if not symmetric:  # compressed-tensors stores signed zero points
             module.weight_zero_point.data.copy_((zero - half).t().reshape(module.weight_zero_point.shape))
-    return save_compressed(model, path, tokenizer)
+        dequantized[module] = fake_quantize(w, module.weight_scale.data.float(), module.weight_zero_point.data, args)
+    reference = tiny_llama(tokenizer, seed)
+    ref_modules = dict(reference.named_modules())
+    for name, module in model.named_modules():
+        if module in dequantized:
+            ref_modules[name].weight.data.copy_(dequantized[module])
+    return save_compressed(model, path, tokenizer), reference

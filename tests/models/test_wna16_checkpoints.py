@@ -1,7 +1,7 @@
 """W4A16 / W8A16 checkpoints (GPTQ, AWQ, compressed-tensors pack-quantized) of tiny random Llamas,
 written offline (tests/wna16_reference.py): splitserve (the torch reference path on CPU: canonical
 layout dequantized, float32 matmul) vs transformers running the dequantized weights (GPTQ / AWQ)
-or decompressing the compressed-tensors checkpoint itself. Greedy tokens equal, logprobs close."""
+or compressed-tensors' own fake quantization (pack-quantized). Greedy tokens equal, logprobs close."""
 import random
 
 import pytest
@@ -82,14 +82,12 @@ CT_CASES = [(4, 32, True), (4, 128, False), (8, 64, True), (8, 128, False), (4, 
 
 @pytest.mark.parametrize("bits,group,sym", CT_CASES)
 def test_pack_quantized_checkpoint_matches_transformers(bits, group, sym, tokenizer, tmp_path):
-    from transformers import AutoModelForCausalLM
-    path = make_pack_quantized(tmp_path / "ct", tokenizer, bits, group, sym, seed=bits * 7 + group)
+    path, ref = make_pack_quantized(tmp_path / "ct", tokenizer, bits, group, sym, seed=bits * 7 + group)
     llm = LLM(path, num_blocks=64, max_num_batched_tokens=64)
     label = "per-channel" if group == -1 else f"group {group}"
     assert llm.engine.config.model.quantization == \
         f"compressed-tensors: W{bits}A16 ({label}, {'symmetric' if sym else 'asymmetric'})"
     check_layers(llm, bits, group, zeros=not sym, act_order=False)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert_matches(llm, ref, random_prompts(len(tokenizer), 4, seed=bits + group))
 
 
