@@ -87,8 +87,6 @@ class EngineArgs(CliOptions):
             self.served_model_name = [self.served_model_name]
         if self.served_model_name is not None and not self.served_model_name:
             self.served_model_name = None  # a bare --served-model-name: the default name
-
-    def __post_init__(self) -> None:
         # Checked here too (CacheConfig checks it again) so LLM(kv_cache_dtype=...) fails at once.
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")

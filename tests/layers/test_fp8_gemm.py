@@ -1,16 +1,16 @@
 """FP8 activation quantization and GEMM kernels (quant_kernels/fp8_gemm.py) vs the torch reference.
 
 Without CUDA the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
-with the interpreter's fp8/bf16 rounding fixed (quant_kernel_shims.py); shapes are small and odd
+with the interpreter's fp8/bf16 rounding fixed (tests/triton_interpreter_shims.py); shapes are small and odd
 (M, N, K not multiples of the tiles) so masks, clamped rows and partial groups are exercised.
 Every check draws fresh random inputs.
 """
 import pytest
 import torch
 
-import quant_kernel_shims
+from tests import triton_interpreter_shims
 
-quant_kernel_shims.install()
+triton_interpreter_shims.install()
 
 from splitserve.layers.quant_kernels import fp8_gemm as F  # noqa: E402
 from splitserve.layers.quant_kernels import reference as R  # noqa: E402

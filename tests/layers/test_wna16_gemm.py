@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import quant_kernel_shims
+from tests import triton_interpreter_shims
 
-quant_kernel_shims.install()
+triton_interpreter_shims.install()
 
 from splitserve.layers.quant_kernels import reference as R  # noqa: E402
 from splitserve.layers.quant_kernels import wna16_gemm as W  # noqa: E402

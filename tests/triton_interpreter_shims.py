@@ -1,5 +1,5 @@
-"""Triton 3.6 interpreter fixes for the quantized-GEMM kernel tests (CPU only; compiled kernels on a
-GPU are unaffected). Installed by the test modules when TRITON_INTERPRET=1.
+"""Triton 3.6 interpreter fixes for the kernel tests (CPU only; compiled kernels on a GPU are
+unaffected). Installed by the Triton test modules; a no-op unless TRITON_INTERPRET=1.
 
 1. A 1-element tensor becomes a Python int through int(ndarray), which NumPy >= 2.4 rejects, so
    `for k in range(runtime_start, runtime_end, STEP)` fails (triton-lang/triton#9171).
