@@ -114,3 +114,25 @@ def test_quantized_checkpoint_with_unknown_tensor_fails_naming_it(checkpoints, t
 def test_flag_naming_another_format_is_refused(checkpoints):
     with pytest.raises(ValueError, match="quantized with 'compressed-tensors'"):
         LLM(checkpoints["FP8_DYNAMIC"], quantization="fp8", num_blocks=16)
+
+
+@pytest.mark.parametrize("preset", ["FP8", "FP8_BLOCK", "W8A8"])
+def test_random_weights_fill_quantized_storage(preset, checkpoints):
+    """Benchmarks run quantized formats without their weights: each method draws its own storage
+    and scales (a float N(0, 0.02) quantized as the format does)."""
+    llm = LLM(checkpoints[preset], random_weights=True, num_blocks=16)
+    down = llm.engine.core.model.layers[1].mlp.down_proj
+    scale = down.weight_scale
+    assert torch.isfinite(scale).all() and (scale > 0).all() and scale.max() < 1
+    assert down.weight.float().abs().max() > 10  # the quantized range is used
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_online_fp8_with_random_weights(tmp_path, tokenizer):
+    from tests.hf_reference import make_tiny_llama_dir
+    path = make_tiny_llama_dir(tmp_path / "float", tokenizer, num_kv_heads=2, tie=False)
+    llm = LLM(path, random_weights=True, quantization="fp8", num_blocks=16)
+    qkv = llm.engine.core.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and (qkv.weight_scale > 0).all()
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3
