@@ -203,13 +203,15 @@ def test_resolution():
 
 
 @pytest.mark.parametrize("requested, qc, message", [
-    ("gptq", None, "'gptq' is not supported yet"),
+    ("gptq_marlin", None, "'gptq_marlin' is not supported yet"),
+    ("gptq", None, "needs a checkpoint quantized in that format"),
     ("int3", None, "'int3' is unknown"),
     ("modelopt", None, "needs a checkpoint quantized in that format"),
-    (None, {"quant_method": "awq", "bits": 4}, "quantized with 'awq', which splitserve does not support"),
+    (None, {"quant_method": "awq", "bits": 4, "version": "gemv"}, "only the GEMM packing"),
+    (None, {"quant_method": "gptq", "bits": 4, "group_size": 100}, "group size 100 is not supported"),
     ("modelopt", ct(), "quantized with 'compressed-tensors'"),
     (None, ct(g={**FP8_GROUP, "format": "pack-quantized", "input_activations": None,
-                 "weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}}),
+                 "weights": {"type": "int", "num_bits": 4, "strategy": "tensor"}}),
      "weight-only integer quantization"),
     (None, ct(g={**FP8_GROUP, "weights": {**FP8_GROUP["weights"], "symmetric": False}}), "asymmetric"),
     (None, {"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4' is not supported"),
@@ -219,6 +221,21 @@ def test_resolution():
 def test_unsupported_quantization_is_a_clear_error(requested, qc, message):
     with pytest.raises(ValueError, match=message):
         resolve_quant_config(requested, Cfg(qc), None)
+
+
+def test_weight_only_int_configs_resolve():
+    gptq = resolve_quant_config(None, Cfg({"quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": True}), None)
+    assert gptq.describe() == "gptq: W8A16 (group 64)"
+    assert gptq.linear_method(["lm_head"]).quantization is None
+    awq = resolve_quant_config("awq", Cfg({"quant_method": "awq", "w_bit": 4, "q_group_size": 32,
+                                           "modules_to_not_convert": ["down_proj"]}), None)
+    assert awq.describe() == "awq: W4A16 (group 32)"
+    assert awq.linear_method(["model.layers.0.mlp.down_proj"]).quantization is None
+    assert awq.linear_method(["model.layers.0.mlp.up_proj"]).quantization == "awq"
+    w = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": False, "actorder": "group"}
+    ct_cfg = resolve_quant_config(None, Cfg(ct(g={**FP8_GROUP, "format": "pack-quantized", "input_activations": None,
+                                                  "weights": w})), None)
+    assert ct_cfg.describe() == "compressed-tensors: W4A16 (group 128, asymmetric, act-order)"
 
 
 def test_modelopt_is_found_beside_the_weights(tmp_path):
@@ -241,3 +258,19 @@ def test_ignore_lists_match_every_spelling_of_a_module_name():
     assert method(["model.language_model.layers.1.mlp.down_proj"]).quantization is None
     assert method(["model.language_model.layers.0.mlp.down_proj"]).quantization == "compressed-tensors"
     assert method(["model.language_model.layers.10.mlp.down_proj"]).quantization == "compressed-tensors"
+
+
+def test_wna16_custom_op_is_opaque_and_matches_the_reference():
+    """splitserve::wna16_linear (what CUDA layers call) passes torch.library's checks, incl. its
+    fake (shape-only) implementation used by torch.compile; on CPU it is the torch reference."""
+    from splitserve.layers.quant_kernels.reference import wna16_gemm_ref
+    from splitserve.layers.quant_kernels.wna16_layout import quantize_rtn
+    from splitserve.layers.quantization.wna16 import wna16_linear_op
+    torch.manual_seed(0)
+    w = quantize_rtn(torch.randn(64, 128), bits=4, group_size=32, symmetric=False)
+    x, bias = torch.randn(3, 128), torch.randn(64)
+    perm = torch.randperm(128).to(torch.int32)
+    args = (x, w.qweight, w.scales, w.zeros, perm, bias, 4, 32)
+    torch.library.opcheck(wna16_linear_op, args)
+    expected = wna16_gemm_ref(x, w.qweight, w.scales, w.zeros, bits=4, group_size=32, perm=perm, bias=bias)
+    torch.testing.assert_close(wna16_linear_op(*args), expected)

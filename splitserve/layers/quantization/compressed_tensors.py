@@ -5,7 +5,9 @@ with `targets` (a class name such as "Linear", an exact module name, or "re:<reg
 the start of the module name), and `ignore` (same spelling). A layer takes the first group that
 targets it unless ignored. Supported schemes: FP8 weights (per tensor, per channel, 128x128-style
 blocks) with static per-tensor, dynamic per-token or dynamic per-group activations, or none; and
-W8A8 INT8 (per-channel or per-tensor weights, dynamic per-token or static activations). The config
+W8A8 INT8 (per-channel or per-tensor weights, dynamic per-token or static activations); and
+weight-only W4A16 / W8A16 in the `pack-quantized` format (group or channel, symmetric or with
+zero points, actorder "group" through weight_g_idx; wna16.py). The config
 is read as plain JSON: importing compressed-tensors itself takes seconds.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, Quan
                                                  same_method)
 from splitserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8Scheme
 from splitserve.layers.quantization.int8 import Int8LinearMethod, Int8Scheme
+from splitserve.layers.quantization.wna16 import WNA16LinearMethod, WNA16Scheme
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +84,13 @@ class CompressedTensorsConfig(QuantConfig):
             raise ValueError(f"{where}: output activation quantization is not supported")
         if not w:
             raise ValueError(f"{where}: activation-only quantization is not supported")
-        for args in (w, a):
+        weight_only_int = a is None and w.get("type", "int") == "int"  # these may carry zero points
+        for args in () if weight_only_int else (w, a):
             if args and not args.get("symmetric", True):
                 raise ValueError(f"{where}: asymmetric quantization ({_describe_args(args)}) is not supported")
         scheme = self._scheme(where, w, a, fmt)
         if scheme not in self._methods:
-            cls = Fp8LinearMethod if isinstance(scheme, Fp8Scheme) else Int8LinearMethod
+            cls = {Fp8Scheme: Fp8LinearMethod, Int8Scheme: Int8LinearMethod, WNA16Scheme: WNA16LinearMethod}[type(scheme)]
             self._methods[scheme] = cls(NAME, scheme)
         return self._methods[scheme]
 
@@ -127,8 +131,15 @@ class CompressedTensorsConfig(QuantConfig):
                 return Int8Scheme(w_strategy, "static", zero_points=True)
             raise ValueError(unsupported)
         if w_type == "int" and a is None:
-            raise ValueError(f"{where}: weight-only integer quantization ({_describe_args(w)}, format {fmt!r}) "
-                             f"is not supported yet")
+            if fmt != "pack-quantized" or w_strategy not in ("group", "channel") or w.get("num_bits") not in (4, 8):
+                raise ValueError(f"{where}: weight-only integer quantization ({_describe_args(w)}, format {fmt!r}) "
+                                 f"is not supported (pack-quantized 4 or 8 bits, group or channel strategy is)")
+            actorder = w.get("actorder")
+            if actorder not in (None, "group", "weight", "static", "dynamic", False):
+                raise ValueError(f"{where}: actorder {actorder!r} is not supported")
+            group = -1 if w_strategy == "channel" else int(w.get("group_size") or 0)
+            return WNA16Scheme("ct", int(w["num_bits"]), group, symmetric=w.get("symmetric", True) is not False,
+                               act_order=actorder == "group")
         raise ValueError(unsupported)
 
     def _method_of(self, name: str) -> LinearMethod:

@@ -15,7 +15,7 @@ from splitserve.layers.quantization import QUANTIZATION_METHODS
 from splitserve.layers.quantization.base import QuantConfig
 
 # Names vLLM knows that splitserve does not run (yet): a clearer message than "unknown".
-_NOT_YET = ("gptq", "awq", "gptq_marlin", "awq_marlin", "marlin", "bitsandbytes", "gguf", "fbgemm_fp8",
+_NOT_YET = ("gptq_marlin", "awq_marlin", "marlin", "bitsandbytes", "gguf", "fbgemm_fp8",
             "ptpc_fp8", "modelopt_fp4", "mxfp4", "torchao", "quark", "hqq", "auto-round", "experts_int8")
 _ALIASES = {"compressed_tensors": "compressed-tensors"}
 
@@ -45,6 +45,12 @@ def _build(method: str, cfg: dict) -> QuantConfig:
     if method == "compressed-tensors":
         from splitserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
         return CompressedTensorsConfig(cfg)
+    if method == "gptq":
+        from splitserve.layers.quantization.wna16 import GPTQConfig
+        return GPTQConfig.from_checkpoint(cfg)
+    if method == "awq":
+        from splitserve.layers.quantization.wna16 import AWQConfig
+        return AWQConfig.from_checkpoint(cfg)
     from splitserve.layers.quantization.modelopt import ModelOptConfig
     return ModelOptConfig(cfg)
 
