@@ -76,14 +76,23 @@ def test_defaults_parse_to_the_dataclass_defaults(cls, monkeypatch):
     assert cls.from_namespace(parse_serve([])) == cls()
 
 
+# A field that is valid only together with another: its round trip sets both.
+NEEDS = {"enable_auto_tool_choice": ("tool_call_parser", "hermes")}
+
+
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 def test_each_field_round_trips(cls):
     flags, positional, expected = [], [], {}
     for f in dataclasses.fields(cls):
         value, argv = other_value(cls, f)
-        got = cls.from_namespace(parse_serve(argv))
+        extra = {}
+        if f.name in NEEDS:
+            dep, dep_value = NEEDS[f.name]
+            extra[dep] = dep_value
+        dep_argv = [a for dep, v in extra.items() for a in (f"--{dep.replace('_', '-')}", v)]
+        got = cls.from_namespace(parse_serve(argv + dep_argv))
         assert getattr(got, f.name) == value, (f.name, argv)
-        assert got == dataclasses.replace(cls(), **{f.name: value}), f.name
+        assert got == dataclasses.replace(cls(), **{f.name: value}, **extra), f.name
         (positional if f.metadata["positional"] else flags).extend(argv)
         expected[f.name] = value
     # All at once (the positional first: a list option would take what follows it as its values).
