@@ -128,7 +128,7 @@ class EngineCore:
         # them out of the collector's view (what start-up left as garbage stays: a little memory).
         gc.freeze()
         logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s", m.architecture, device, m.dtype,
-                    config.attention_backend, self.runner.kv_cache_dtype)
+                    config.attention_backend, str(self.runner.kv_cache_dtype).removeprefix("torch."))
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
