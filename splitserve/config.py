@@ -32,6 +32,14 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    quant_config: Any = None  # a layers.quantization QuantConfig, or None for float weights
+
+    @property
+    def quantization(self) -> str | None:
+        """What runs, for the log and /v1/models, led by vLLM's name of the quantization: e.g.
+        "fp8: FP8 per-channel weights, dynamic per-token activations (quantized at load)"."""
+        q = self.quant_config
+        return None if q is None else q.describe()
 
     @property
     def num_layers(self) -> int:

@@ -208,8 +208,9 @@ def test_bench_throughput_and_generate_take_the_engine_options():
     parser = cli.build_parser()
     ns = parser.parse_args(["bench", "throughput", "cfg", "--random-weights", "--no-prefix-caching",
                             "--input-len", "8", "--seed", "3"])
+    # --seed is the engine's seed there too (and the prompts' seed of the benchmark)
     assert EngineArgs.from_namespace(ns) == EngineArgs(model="cfg", random_weights=True,
-                                                       enable_prefix_caching=False)
+                                                       enable_prefix_caching=False, seed=3)
     ns = parser.parse_args(["generate", "--prompt", "hi", "--cpu-kv-cache-gib", "0.5"])
     assert EngineArgs.from_namespace(ns).cpu_kv_cache_gib == 0.5
 
@@ -244,3 +245,13 @@ def test_help_with_a_percent_sign_is_escaped():
     p = argparse.ArgumentParser()
     Pct.add_cli_args(p)
     assert "use 90% of it (default: 0.9)" in " ".join(p.format_help().split())
+
+
+def test_quantization_flag_takes_vllm_names():
+    assert EngineArgs.from_namespace(parse_serve([])).quantization is None  # from the checkpoint
+    assert EngineArgs.from_namespace(parse_serve(["--quantization", "fp8"])).quantization == "fp8"
+    assert EngineArgs.from_namespace(parse_serve(["--quantization", "compressed-tensors"])).quantization == \
+        "compressed-tensors"
+    with pytest.raises(SystemExit):
+        parse_serve(["--quantization", "int3"])
+    assert "--quantization" in serve_parser().format_help()
