@@ -181,7 +181,8 @@ class EngineCore:
         if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
             seed_everything(args.seed)
         logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
-                    device, m.dtype, config.attention_backend, self.runner.kv_cache_dtype, m.quantization or "none")
+                    device, m.dtype, config.attention_backend, str(self.runner.kv_cache_dtype).removeprefix("torch."),
+                    m.quantization or "none")
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -4,55 +4,28 @@ torch reference (torch_ref.py) and in the Triton store, ragged and split-K decod
 The oracle for the format is built here from the bits: every finite e4m3 value decoded from its
 sign, exponent and mantissa, and x quantized to the nearest one (ties to an even mantissa) after
 x / scale in fp32, saturated at +-448. The reference backend is checked against it; the kernels
-against the reference. On CPU the kernels run in the Triton interpreter, whose fp32 -> fp8 cast is
-wrong (its round-to-nearest does not carry into the exponent: 1.99 becomes 1.0, and subnormals are
-not shifted), so that one cast is replaced by torch's here; compiled kernels cast in hardware, and
-their fp8 loads (fp8 -> fp32/fp16/bf16) run unpatched in the interpreter (they are right).
+against the reference. On CPU the kernels run in the Triton interpreter, whose fp32 -> fp8 cast
+mis-rounds; tests/triton_interpreter_shims.py routes that cast through torch's (which, like the
+GPU's satfinite conversion, saturates), and the interpreter's fp8 loads are right as they are.
 """
-import os
-
-import numpy as np
 import pytest
 import torch
 
-# Imported for its batch builder and tolerances; importing it also installs its interpreter shims
-# (tl.dot on bf16, range over a tensor) before any kernel runs.
-from tests.attention.test_triton_attention import DEVICE, SCENARIOS, TOL, make_batch
+from tests import triton_interpreter_shims
 
-from splitserve.attention.layer import Attention, kv_scale_targets
-from splitserve.attention.ops.paged_attention import paged_decode_attention, ragged_paged_attention
-from splitserve.attention.ops.store_kv import store_kv
-from splitserve.attention.torch_ref import (
+triton_interpreter_shims.install()  # before any kernel runs; see the module
+
+from tests.attention.test_triton_attention import DEVICE, SCENARIOS, TOL, make_batch  # noqa: E402
+
+from splitserve.attention.layer import Attention, kv_scale_targets  # noqa: E402
+from splitserve.attention.ops.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
+from splitserve.attention.ops.store_kv import store_kv  # noqa: E402
+from splitserve.attention.torch_ref import (  # noqa: E402
     TorchRefBackend, decode_attention_batched, gather_context, paged_attention_ref, store_kv_ref)
-from splitserve.attention.triton_backend import TritonBackend, TritonMetadata
-from splitserve.layers.rotary import RotaryEmbedding, apply_rotary
+from splitserve.attention.triton_backend import TritonBackend, TritonMetadata  # noqa: E402
+from splitserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-
-
-def _fp8_cast_shim():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-    if getattr(interpreter, "_splitserve_fp8_shim", False):
-        return
-    orig = interpreter._convert_float
-
-    def convert_float(data, input_dtype, output_dtype, rounding_mode):
-        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
-            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            # Past the largest finite value: NaN, as a cast without saturation gives (torch's CPU
-            # cast saturates), so the tests see whether a kernel clamps before it casts.
-            x = torch.where(x.abs() > 448, torch.nan, x)
-            return x.to(FP8).view(torch.uint8).numpy()
-        return orig(data, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = convert_float
-    interpreter._splitserve_fp8_shim = True
-
-
-_fp8_cast_shim()
 
 
 # ------------------------------------------------------------------------------- the e4m3 oracle
