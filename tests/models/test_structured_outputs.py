@@ -5,6 +5,7 @@ Constrained outputs are checked by independent means: JSON parsed by `json` and 
 so each test is deterministic."""
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -151,10 +152,22 @@ def test_min_tokens_holds_back_eos(llm):
     assert held.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]
 
 
-def test_abort_while_compiling_and_while_generating_leaves_the_pool_whole(llm):
+def test_abort_while_compiling_and_while_generating_leaves_the_pool_whole(llm, monkeypatch):
     engine = llm.engine
     prompt = chat_prompt(llm, "Write a long string.")
-    slow = SO(json={"type": "string", "minLength": 200000})  # seconds to compile
+    slow = SO(json={"type": "string", "minLength": 7})
+    # Hold this one grammar's compile until the test has seen the request wait (a large schema alone
+    # compiled in under a step on a fast machine, so the wait was not guaranteed).
+    release = threading.Event()
+    manager = engine.core.structured
+    real_compile = manager._compile
+
+    def held_compile(key):
+        if key == slow.key():
+            release.wait(60)
+        return real_compile(key)
+
+    monkeypatch.setattr(manager, "_compile", held_compile)
     engine.add_request("compiling", prompt, SamplingParams(max_tokens=5, structured_outputs=slow))
     engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     outs = {}
@@ -162,6 +175,7 @@ def test_abort_while_compiling_and_while_generating_leaves_the_pool_whole(llm):
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert [r.request_id for r in engine.scheduler.waiting] == ["compiling"]
     engine.abort_request("compiling")
+    release.set()
     engine.add_request("gen", prompt, SamplingParams(temperature=1.0, seed=0, max_tokens=100,
                                                      structured_outputs=SO(json=PERSON)))
     deadline = time.monotonic() + 120
