@@ -76,14 +76,36 @@ class EngineFront:
     def states(self) -> dict[str, RequestState]:
         return self.output_processor.states
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids; with params, cut to their truncate_prompt_tokens (the last k)."""
+        k = params.truncate_prompt_tokens if params is not None else None
         if hasattr(prompt, "mm_items"):
+            if k is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             return prompt  # a MultiModalPrompt: expanded ids that carry their images along
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        return ids if k is None else self.truncate(ids, k)
+
+    def truncate(self, ids: list[int], k: int) -> list[int]:
+        """The last k tokens (vLLM's truncate_prompt_tokens; -1: the model's context)."""
+        limit = self.config.model.max_model_len
+        if k > limit:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({limit}); "
+                             f"choose a smaller truncation size")
+        k = limit if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy "
+                             f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Checks a tokenized request against the model and cache; returns its total-token cap."""
@@ -132,10 +154,12 @@ class EngineFront:
         return seqs
 
     def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> tuple[str, list[EngineCoreRequest]]:
+                    arrival_time: float | None = None, stream: bool = True,
+                    priority: int = 0) -> tuple[str, list[EngineCoreRequest]]:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
         id with the core requests of its sequences (one, or n for parallel samples)."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         vocab = self.config.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
             params = dataclasses.replace(params, stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
@@ -144,7 +168,7 @@ class EngineFront:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize_prompt(prompt)
+        prompt_ids = self.tokenize_prompt(prompt, params)
         total = self.validate(prompt_ids, params)
         arrival = arrival_time or time.monotonic()
         eos = self.config.model.eos_token_ids
@@ -152,5 +176,5 @@ class EngineFront:
                              eos, arrival, self.tokenizer, stream)
         self.output_processor.add_request(state)
         mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
-        return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items)
-                            for c in state.children]
+        return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
+                                              priority) for c in state.children]

@@ -42,9 +42,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of the prompts. A prompt is
-        text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. `priority`: one
+        per prompt, with scheduling_policy="priority" (lower runs first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [self._unwrap(p) for p in prompts]
@@ -54,11 +55,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
-        for ids, sp in zip(tokenized, params):
+        tokenized = [self.engine.tokenize_prompt(p, sp) for p, sp in zip(prompts, params)]
+        for ids, sp, prio in zip(tokenized, params, priorities):
             self.engine.validate(ids, sp)
-        ids = [self.engine.add_request(None, p, sp, stream=False) for p, sp in zip(prompts, params)]
+            self.engine.front.check_priority(prio)
+        ids = [self.engine.add_request(None, p, sp, stream=False, priority=prio)
+               for p, sp, prio in zip(prompts, params, priorities)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -84,14 +90,15 @@ class LLM:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _decode_logprobs(self, out: RequestOutput) -> None:
-        """Fills each Logprob's decoded_token (the token's own text, special tokens included)."""
+        """Fills each Logprob's decoded_token (the token's own text, special tokens included), of the
+        output's logprobs and the prompt's."""
         cache: dict[int, str] = {}
-        for o in out.outputs:
-            for entry in o.logprobs or ():
-                for token, lp in entry.items():
-                    if token not in cache:
-                        cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-                    lp.decoded_token = cache[token]
+        entries = [e for o in out.outputs for e in o.logprobs or ()] + [e for e in out.prompt_logprobs or () if e]
+        for entry in entries:
+            for token, lp in entry.items():
+                if token not in cache:
+                    cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+                lp.decoded_token = cache[token]
 
     def _unwrap(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, dict):
