@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitserve.layers.sampler import token_logprobs
+from splitserve.layers.sampler import _to_device, token_logprobs
 
 # Most bytes of fp32 logits one slice of prompt rows may take.
 SLICE_BYTES = 256 << 20
@@ -62,8 +62,9 @@ def compute_prompt_logprobs(model, hidden: torch.Tensor, plan: PromptLogprobsPla
     """([m, 1 + k] logprobs, [m, 1 + k] token ids, [m] ranks): each row's prompt token first, then the
     top k, on the device."""
     device = hidden.device
-    rows = torch.from_numpy(plan.hidden_rows).to(device)
-    targets = torch.from_numpy(plan.target_ids).to(device)
+    # Pinned, non-blocking copies: a pageable one would make the host wait for the forward pass.
+    rows = _to_device(plan.hidden_rows, device)
+    targets = _to_device(plan.target_ids, device)
     step = max(1, SLICE_BYTES // (4 * vocab_size))
     parts = []
     for s in range(0, len(rows), step):

@@ -97,3 +97,24 @@ def test_bad_values_are_errors():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_async_scheduling_and_preemption_on_a_tiny_model(tmp_path):
+    """Steps overlapped (async scheduling, on CPU here) and a KV cache so small that requests are
+    preempted mid-prompt and recomputed: prompt logprobs still equal transformers'."""
+    from transformers import LlamaForCausalLM
+
+    from splitserve.models.resolve import load_tokenizer
+    from tests.hf_reference import make_tiny_llama_dir
+    model_dir = make_tiny_llama_dir(tmp_path / "tiny", load_tokenizer(None), num_kv_heads=2, tie=False, seed=5)
+    llm = LLM(model_dir, max_num_batched_tokens=BUDGET, max_model_len=128, async_scheduling=True, block_size=8,
+              num_blocks=12, dtype="float32")
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [PROMPT, PROMPT[::-1], "Numbers: " + " ".join(map(str, range(20)))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        ids = out.prompt_token_ids
+        check_against_reference(out.prompt_logprobs, ids, hf_prompt_logprobs(hf, ids), 1, llm.get_tokenizer())
+    assert llm.engine.kv_manager.pool.is_whole()
