@@ -15,7 +15,7 @@ from tests import triton_interpreter_shims
 triton_interpreter_shims.install()
 
 from splitserve.layers.moe import fused_moe as FM  # noqa: E402
-from splitserve.layers.moe.reference import fused_moe_ref  # noqa: E402
+from splitserve.layers.moe.reference import align_pairs_ref, fused_moe_ref  # noqa: E402
 from splitserve.layers.moe.router import topk_route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,10 +97,15 @@ def test_kernel_unbalanced_routing(gen):
     assert_close(out, naive_moe(x, w13, w2, weights, ids), torch.float32)
 
 
-@pytest.mark.parametrize("T,E,k,block_m", [(1, 8, 2, 16), (37, 8, 2, 16), (50, 4, 1, 32), (3, 60, 4, 16)])
-def test_align_pairs_by_expert(T, E, k, block_m, gen):
+@pytest.mark.parametrize("align", [FM.align_pairs_by_expert, align_pairs_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 8, 2, 16), (37, 8, 2, 16), (50, 4, 1, 32), (3, 60, 4, 16),
+                                           (300, 8, 2, 16)])
+def test_align_pairs_by_expert(T, E, k, block_m, align, gen):
+    # 300 x 2 pairs span several of the Triton kernel's chunks
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
-    sorted_pairs, block_expert, num_padded = FM.align_pairs_by_expert(ids.to(DEVICE), E, block_m)
+    if T == 300:
+        ids[100:250] = torch.tensor([3, 6][:k], dtype=torch.int32)  # long runs of one expert
+    sorted_pairs, block_expert, num_padded = align(ids.to(DEVICE), E, block_m)
     sorted_pairs, block_expert, num_padded = sorted_pairs.cpu(), block_expert.cpu(), int(num_padded)
     flat = ids.reshape(-1).tolist()
     expected, experts = [], []

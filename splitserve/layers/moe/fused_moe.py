@@ -2,11 +2,13 @@
 
 A token with k routed experts is k token-expert *pairs*, numbered p = t * k + j. One call:
 
-1. align: the pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M,
-   so every BLOCK_M-row block of the sorted list belongs to one expert (`align_pairs_by_expert`:
-   sorted_pairs [max_padded] with the sentinel T * k in padding slots, block_expert [max_blocks],
-   num_padded [1]). Sizes depend only on T, k, E and BLOCK_M (never on the routing), and nothing
-   reads the device back, so the op can be captured in a CUDA graph.
+1. align (`align_pairs_by_expert`, one single-program launch): the pairs are sorted by expert and
+   each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row block of the sorted
+   list belongs to one expert (sorted_pairs [max_padded] with the sentinel T * k in padding slots,
+   block_expert [max_blocks], num_padded [1]). Sizes depend only on T, k, E and BLOCK_M (never on
+   the routing), and nothing reads the device back, so the op can be captured in a CUDA graph. At
+   decode the weights take a few hundred microseconds to stream, so the ~20 launches of the same
+   thing in torch ops (reference.align_pairs_ref) would cost a noticeable share.
 2. grouped GEMM 1 (`_moe_gemm_kernel`, GATED): each program takes one block of pairs and a BLOCK_N
    slice of the intermediate features; it gathers the pairs' token rows of x and multiplies them by
    the block's expert's gate and up rows of w13 (two accumulators over the same x tile), then stores
@@ -80,34 +82,65 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(worst, block_m) * block_m
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, max_padded,
+                  NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    # One program: the pair count is small next to the GEMMs' work, and one program needs no
+    # cross-program prefix sum. Pairs are taken CHUNK at a time as a one-hot [CHUNK, experts] matrix.
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E_P2)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for s0 in range(0, max_padded, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    # block b belongs to the first expert whose padded run ends after b * BLOCK_M
+    real = (experts < NUM_EXPERTS)[None, :]
+    for b0 in range(0, max_padded // BLOCK_M, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        before = tl.sum(((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & real).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(before, NUM_EXPERTS - 1), mask=blocks < max_padded // BLOCK_M)
+    # the sentinels above must land before the pairs below overwrite some of them
+    tl.debug_barrier()
+    next_slot = padded_end - padded
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E_P2)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
+        dest = tl.sum((next_slot[None, :] + rank) * onehot, axis=1)
+        tl.store(sorted_pairs_ptr + dest, offs, mask=offs < num_pairs)
+        next_slot += tl.sum(onehot, axis=0)
+
+
 def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs int32 [max_padded], block_expert int32 [max_padded / block_m],
-    num_padded int32 [1]).
+    num_padded int32 [1]); one launch, no host sync.
 
     sorted_pairs lists the pair ids expert by expert (ascending pair id within an expert), each
     expert's run starting at a multiple of block_m; the slots between runs and past the end hold
     the sentinel T * k. block_expert[b] is the expert of block b (meaningful for b * block_m <
-    num_padded). Pure device ops with shapes fixed by the arguments: no host sync."""
+    num_padded). reference.align_pairs_ref is the same in torch ops."""
     T, k = topk_ids.shape
     num_pairs = T * k
-    dev = topk_ids.device
     max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
-    flat = topk_ids.reshape(-1).long()
-    # scatter_add, not bincount: bincount reads the max id back to the host on CUDA
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
-    dest = padded_start[expert_of] + torch.arange(num_pairs, device=dev) - start[expert_of]
-    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs[dest] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=dev)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    e_p2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(1024, 4096 // e_p2, triton.next_power_of_2(max(max_padded, 1))))
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, num_padded, num_pairs, max_padded,
+                        NUM_EXPERTS=num_experts, E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+    return sorted_pairs, block_expert, num_padded
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ w13 [E, 2I, H] holds each expert's gate rows and then its up rows; w2 [E, H, I] 
 Rounding follows the Triton path: each GEMM accumulates in fp32, the activation (silu(gate) * up)
 is rounded to x's dtype before the second GEMM, each pair's weighted output is rounded to x's dtype,
 and the k pair outputs of a token are summed in fp32 and rounded once.
+
+align_pairs_ref is the torch definition of the kernels' pair alignment (fused_moe.py).
 """
 from __future__ import annotations
 
@@ -71,3 +73,30 @@ def _mm_fp32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32:
         return a @ w.t()
     return (a.float() @ w.float().t())
+
+
+def align_pairs_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_moe.align_pairs_by_expert in torch ops (sort, scatter; about twenty launches where the
+    Triton kernel makes one): (sorted_pairs int32 [max_padded], block_expert int32
+    [max_padded / block_m], num_padded int32 [1])."""
+    T, k = topk_ids.shape
+    num_pairs = T * k
+    dev = topk_ids.device
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    max_padded = -(-worst // block_m) * block_m
+    flat = topk_ids.reshape(-1).long()
+    # scatter_add, not bincount: bincount reads the max id back to the host on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    dest = padded_start[expert_of] + torch.arange(num_pairs, device=dev) - start[expert_of]
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32)
