@@ -3,6 +3,7 @@
     python benchmarks/moe_kernel.py                       # H100: batch 1 and 8,192 tokens
     python benchmarks/moe_kernel.py --sweep               # also every tile configuration in CONFIGS
     python benchmarks/moe_kernel.py --device cpu --small  # smoke run: tiny shape, Triton interpreter
+    python benchmarks/moe_kernel.py --compile-sm90        # no GPU: compile every variant for sm_90a
 
 Shape: H = 4096, I = 14336, E = 8, top-2 (one layer's experts: 2.8 GB of bf16 weights).
 - Batch 1 is bound by reading the two routed experts' weights (3 * H * I * 2 bytes each, 705 MB in
@@ -33,17 +34,25 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-bw", type=float, default=3.0e12, help="bandwidth limit in bytes/s (default 3.0e12)")
     ap.add_argument("--sweep", action="store_true", help="time every configuration in CONFIGS too")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compile-sm90", action="store_true",
+                    help="no GPU needed: compile the default and sweep configurations of both token counts for "
+                         "sm_90a and print registers / spills / shared memory (benchmarks/quant_kernels_compile.py)")
     return ap.parse_args()
 
 
 ARGS = parse_args()
-if ARGS.device == "cpu":
+COMPILED: list = []
+if ARGS.compile_sm90:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from quant_kernels_compile import install_fake_sm90_driver, resources  # noqa: E402
+    install_fake_sm90_driver(COMPILED)
+elif ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-if ARGS.device == "cpu":
+if ARGS.device == "cpu" and not ARGS.compile_sm90:
     from tests import triton_interpreter_shims  # noqa: E402
     triton_interpreter_shims.install()
 from splitserve.layers.moe import fused_moe as FM  # noqa: E402
@@ -125,8 +134,39 @@ def check(x, w13, w2, weights, ids, config) -> float:
     return err
 
 
+def compile_sm90() -> None:
+    """Every launch of fused_moe_triton at the full shape, compiled for sm_90a against a stand-in
+    driver (CPU tensors; nothing runs)."""
+    E, H, I, k = EXPERTS, HIDDEN, INTER, TOP_K
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16)
+    seen, failures = set(), 0
+    for T in [int(t) for t in ARGS.tokens.split(",")]:
+        x = torch.empty(T, H, dtype=torch.bfloat16)
+        weights, ids = routing(T, E, k, "cpu", seed=T)
+        kind = "decode" if T * k / E <= 16 else "prefill"
+        for cfg in [FM.default_config(T * k, E)] + CONFIGS[kind]:
+            before = len(COMPILED)
+            try:
+                FM.fused_moe_triton(x, w13, w2, weights, ids, cfg)
+            except Exception as e:  # noqa: BLE001 - report every configuration
+                failures += 1
+                print(f"FAIL T={T} {cfg}: {type(e).__name__}: {str(e)[:400]}")
+                continue
+            for kern in COMPILED[before:]:
+                if kern is None or kern.hash in seen:
+                    continue
+                seen.add(kern.hash)
+                print(f"T={T:5d} {kern.name:18s} warps={kern.metadata.num_warps} stages={kern.metadata.num_stages} "
+                      f"smem={kern.metadata.shared} {resources(kern, None)}")
+    print(f"{len(seen)} variants compiled, {failures} failures")
+    sys.exit(1 if failures else 0)
+
+
 def main() -> None:
     a = ARGS
+    if a.compile_sm90:
+        return compile_sm90()
     dev = a.device
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device; use --device cpu --small for a smoke run")

@@ -107,3 +107,18 @@ def test_loader_names_and_errors():
     moe.load("w2", torch.ones(6 * 0 + 8, 6), expert_id=1)
     assert "w2[0]" in moe.missing_weights() and "w2[1]" not in moe.missing_weights()
     assert not any(m.startswith("w13") for m in moe.missing_weights()) and "router" in moe.missing_weights()
+
+
+def test_fused_moe_traces_in_a_compiled_region():
+    # the op's fake implementation lets Dynamo trace the whole layer (router, op, shared expert)
+    # with a dynamic token count and no graph break
+    moe = FusedMoE(4, 2, 16, 12, renormalize=False, shared_expert_intermediate_size=8, params_dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True, dynamic=True)
+    for T in (3, 10):
+        x = torch.randn(T, 16, generator=g)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), moe(x))
