@@ -32,6 +32,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--small", action="store_true", help="tiny shape (for --device cpu: the Triton interpreter)")
     ap.add_argument("--tokens", default="1,8192", help="comma-separated token counts (default 1,8192)")
     ap.add_argument("--peak-bw", type=float, default=3.0e12, help="bandwidth limit in bytes/s (default 3.0e12)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="nominal dense bf16 TFLOP/s (H100 SXM: 989)")
     ap.add_argument("--sweep", action="store_true", help="time every configuration in CONFIGS too")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile-sm90", action="store_true",
@@ -62,12 +63,12 @@ from splitserve.layers.moe.router import topk_route  # noqa: E402
 G = FM.GemmConfig
 CONFIGS = {  # for --sweep: decode-like (few rows per expert) and prefill-like tiles
     "decode": [
-        FM.MoeConfig(16, G(64, 128, 4, 4, 1), G(32, 256, 4, 4, 1)),
-        FM.MoeConfig(16, G(32, 128, 4, 4, 1), G(32, 128, 4, 4, 1)),
-        FM.MoeConfig(16, G(64, 256, 4, 3, 1), G(64, 256, 4, 3, 1)),
-        FM.MoeConfig(16, G(32, 256, 4, 5, 1), G(16, 256, 4, 5, 1)),
-        FM.MoeConfig(16, G(128, 128, 4, 4, 1), G(64, 128, 4, 4, 1)),
-        FM.MoeConfig(16, G(64, 128, 8, 4, 1), G(32, 512, 4, 3, 1)),
+        FM.MoeConfig(16, G(64, 128, 4, 4), G(32, 256, 4, 4)),
+        FM.MoeConfig(16, G(32, 128, 4, 4), G(32, 128, 4, 4)),
+        FM.MoeConfig(16, G(64, 256, 4, 3), G(64, 256, 4, 3)),
+        FM.MoeConfig(16, G(32, 256, 4, 5), G(16, 256, 4, 5)),
+        FM.MoeConfig(16, G(128, 128, 4, 4), G(64, 128, 4, 4)),
+        FM.MoeConfig(16, G(64, 128, 8, 4), G(32, 512, 4, 3)),
     ],
     "prefill": [
         FM.MoeConfig(128, G(64, 64, 8, 4, 8), G(128, 64, 8, 4, 8)),
@@ -220,7 +221,8 @@ def report(T, ms, ids, H, I, k, copy_bw, dev, dtype, a) -> None:
     mm_ms, _ = timed_ms(lambda: torch.mm(mm_a, mm_b), dev, a.iters)
     del mm_a, mm_b
     print(f"  {flops / s / 1e12:.1f} TFLOP/s vs bf16 torch.mm [{T * k}, {H}] x [{H}, {3 * I}] "
-          f"{flops / (mm_ms / 1e3) / 1e12:.1f} TFLOP/s ({mm_ms:.3f} ms) = {mm_ms / ms:.0%} of the matmul")
+          f"{flops / (mm_ms / 1e3) / 1e12:.1f} TFLOP/s ({mm_ms:.3f} ms) = {mm_ms / ms:.0%} of the matmul, "
+          f"{flops / s / 1e12 / a.peak_tflops:.0%} of the nominal {a.peak_tflops:.0f}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,12 @@ def test_kernel_default_config_and_strided_input(gen):
                  torch.float32)
 
 
+def test_no_tokens(gen):
+    x, w13, w2, weights, ids = inputs(0, 8, 2, torch.float32, gen)
+    for fn in (fused_moe_ref, FM.fused_moe_triton):
+        assert fn(x, w13, w2, weights, ids).shape == (0, H)
+
+
 def test_kernel_unbalanced_routing(gen):
     # every token on experts 5 and 2 (several blocks of one expert, six experts without a token),
     # with unnormalised weights

@@ -65,7 +65,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         h = _mm_fp32(rows, w13[e])
         act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
         pair_out[pairs] = (_mm_fp32(act, w2[e]) * flat_w[pairs, None]).to(x.dtype)
-    return pair_out.view(T, k, -1).float().sum(dim=1).to(x.dtype)
+    return pair_out.view(T, k, x.shape[1]).float().sum(dim=1).to(x.dtype)
 
 
 def _mm_fp32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
