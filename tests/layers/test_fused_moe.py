@@ -85,6 +85,16 @@ def test_kernel_default_config_and_strided_input(gen):
                  torch.float32)
 
 
+@pytest.mark.parametrize("rows_per_expert", [1, 64, 256, 1024])
+def test_kernel_with_each_default_tile_config(rows_per_expert, gen):
+    # the tiles default_config picks for decode, mid-size and prefill batches, on a small batch in
+    # which most rows of each block are padding
+    cfg = FM.default_config(rows_per_expert * 8, 8)
+    x, w13, w2, weights, ids = inputs(21, 8, 2, torch.bfloat16, gen, hidden=40, inter=72)
+    assert_close(FM.fused_moe_triton(x, w13, w2, weights, ids, cfg), fused_moe_ref(x, w13, w2, weights, ids),
+                 torch.bfloat16)
+
+
 def test_no_tokens(gen):
     x, w13, w2, weights, ids = inputs(0, 8, 2, torch.float32, gen)
     for fn in (fused_moe_ref, FM.fused_moe_triton):
