@@ -401,7 +401,10 @@ class OpenAIServing:
         finished: set[int] = set()
         offsets = {i * n + j: len(echoes[i]) for i in range(len(streams)) for j in range(n)}
         finals: dict[int, RequestOutput] = {}
-        exclude = None if req.include_usage else {"usage"}
+        # Streamed choices have no prompt_logprobs field (vLLM's neither).
+        exclude: dict = {"choices": {"__all__": {"prompt_logprobs"}}}
+        if not req.include_usage:
+            exclude["usage"] = True
         created = int(time.time())  # one timestamp for every chunk, as OpenAI does
         # echo with logprobs: the prompt's chunk waits for its logprobs, which come with the first token.
         echo_lp = params.logprobs is not None
