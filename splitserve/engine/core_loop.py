@@ -52,10 +52,11 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
     backoff = False
     step_tokens: list[int] = []  # of the steps launched since the last message (for the metrics)
 
-    def send(outputs: list[EngineCoreOutput], stats: SchedulerStats, dead: str | None = None) -> None:
+    def send(outputs: list[EngineCoreOutput], stats: SchedulerStats, dead: str | None = None,
+             process_lost: bool = False) -> None:
         nonlocal last_stats, step_tokens
-        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead, step_tokens)),
-                 copy=False)
+        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead, step_tokens,
+                                                  process_lost)), copy=False)
         last_stats, step_tokens = stats, []
 
     while True:
@@ -92,7 +93,8 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
                 logger.exception("the engine core cannot go on")
                 ids = list(core.scheduler.requests)
                 core.abort_requests(ids, "error")
-                send([EngineCoreOutput(rid, [], finish_reason="error") for rid in ids], core.stats(), dead=str(e))
+                send([EngineCoreOutput(rid, [], finish_reason="error") for rid in ids], core.stats(), dead=str(e),
+                     process_lost=getattr(e, "process_lost", False))
                 return 1
             except Exception as e:
                 # The step failed outside the model call (which fails only its own batch): fail
@@ -142,7 +144,10 @@ def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, 
         out.close(linger=2000)
         os._exit(1)
     out.send(ready.encode(CoreReady(core.num_blocks, core.config.cache.block_size)))
-    code = run_core_loop(core, inp, out, parent_pid)
+    try:
+        code = run_core_loop(core, inp, out, parent_pid)
+    finally:
+        core.shutdown()  # the worker processes of a multi-rank engine
     out.close(linger=2000)
     inp.close(linger=0)
     os._exit(code)  # skip interpreter teardown (CUDA, compiled graphs): nothing is left to save
