@@ -214,10 +214,9 @@ def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_a
     watch = CoreWatch(monitor, parent_pid)
     encode = Codec(WorkerToCore).encode
     decoder = Codec(CoreToWorker)
-    device = "?"
+    device = f"cuda:{local_rank}" if spec.config.device.startswith("cuda") else spec.config.device
     try:
         worker = RankWorker(args, spec, rank, local_rank, init_method, rank_fault(rank))
-        device = worker.device
     except BaseException as e:
         logger.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
         push.send(encode(RankFailed(rank, describe_startup_error(e, rank, device), startup=True)))
