@@ -21,6 +21,9 @@ from splitserve.engine.messages import Codec
 
 logger = logging.getLogger(__name__)
 
+# How long the ranks may take to act on the core's Stop after its sockets close.
+_CORE_GONE_GRACE_S = 5.0
+
 
 def run_headless(args) -> int:
     from splitserve.engine.core import resolve_model_spec
@@ -46,16 +49,18 @@ def run_headless(args) -> int:
     procs = start_workers(args, spec, addrs)
     logger.info("node %d of %d: ranks %s started; engine core at %s", args.node_rank, args.nnodes, sorted(procs),
                 args.master_addr)
-    connected, code = False, 0
+    connected, code, core_gone_at = False, 0, None
     try:
         while not stopping:
             time.sleep(0.2)
             while monitor.poll(0):
                 event = recv_monitor_message(monitor)["event"]
                 connected |= event == zmq.EVENT_CONNECTED
-                if event == zmq.EVENT_DISCONNECTED and connected:
-                    logger.error("node 0's engine core is gone; stopping this node's ranks")
-                    return (code := 1)
+                if event == zmq.EVENT_DISCONNECTED and connected and core_gone_at is None:
+                    core_gone_at = time.monotonic()  # a core that stops sent Stop first: give it a moment
+            if core_gone_at is not None and time.monotonic() - core_gone_at > _CORE_GONE_GRACE_S:
+                logger.error("node 0's engine core is gone; stopping this node's ranks")
+                return (code := 1)
             exited = {rank: p.exitcode for rank, p in procs.items() if not p.is_alive()}
             failed = {rank: c for rank, c in exited.items() if c != 0}
             if failed:

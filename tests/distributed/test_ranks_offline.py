@@ -146,7 +146,7 @@ def test_two_nodes_on_one_machine(tiny_dir, hf_reference, tmp_path):
     try:
         llm = LLM(tiny_dir, pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
                   master_port=port, **SMALL)
-        assert len(engine_processes()) == 2  # our rank 0, and node 1's launcher (rank 1 is its child)
+        assert len(engine_processes()) == 3  # our rank 0; node 1: its launcher and rank 1
         assert_matches(greedy(llm), hf_reference)
         llm.engine.core.shutdown()
         assert node1.wait(timeout=60) == 0, open(log.name).read()[-3000:]
