@@ -227,7 +227,8 @@ class MultiprocExecutor:
         return step
 
     def update_states(self, sched) -> None:
-        self._send(UpdateStates(sched))
+        if self._dead is None:  # after a loss there is nobody to tell (the engine is failing its requests)
+            self._send(UpdateStates(sched))
 
     def collect(self, step: _RemoteStep) -> StepResult:
         deadline = time.monotonic() + self.step_timeout_s
@@ -251,7 +252,34 @@ class MultiprocExecutor:
                 self._lose(f"no answer to step {step.step_no} within step_timeout_s={self.step_timeout_s:g} s "
                            f"(a hung rank?)")
 
+    def check_alive(self) -> None:
+        """Between steps: a rank that died or failed meanwhile ends the engine now, not at the next step."""
+        if self._dead is not None:
+            raise RanksLostError(self._dead)
+        while self.pull.poll(0):
+            msg = self._decoder.decode(self.pull.recv())
+            try:
+                self._unexpected(msg, "an idle moment")
+            except RuntimeError as e:
+                self._lose(str(e))
+        for rank, p in self.procs.items():
+            if not p.is_alive():
+                self._lose(describe_exit(rank, p.exitcode))
+
+    def _dead_ranks(self, wait_s: float) -> list[str]:
+        """The local ranks that have exited, waiting up to wait_s for one (a rank's error is often the
+        echo of a peer's death: its collective broke)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [describe_exit(rank, p.exitcode) for rank, p in self.procs.items() if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
     def _lose(self, why: str):
+        dead = self._dead_ranks(wait_s=1.0)
+        if dead and dead[0] not in why:
+            why = f"{'; '.join(dead)} ({why})"
         logger.error("the ranks cannot go on: %s; stopping every rank", why)
         self._dead = why
         self.shutdown()

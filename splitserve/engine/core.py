@@ -216,6 +216,15 @@ class EngineCore:
                 precompile.finish()
         self.model = model
 
+    def check_ranks(self) -> None:
+        """Raises EngineDeadError if a worker rank died or failed (the core loop asks while idle)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            try:
+                check()
+            except RanksLostError as exc:
+                raise EngineDeadError(str(exc), process_lost=True) from exc
+
     def shutdown(self) -> None:
         """Stops the worker processes (world size > 1); nothing to do in one process."""
         stop = getattr(self.runner, "shutdown", None)

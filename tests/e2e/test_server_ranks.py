@@ -5,6 +5,7 @@ streams with an error, turns /health to 503 and takes every process down."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import httpx
@@ -63,7 +64,7 @@ def test_a_rank_killed_mid_stream_fails_the_streams_and_every_process_exits(tiny
         errors = [json.loads(x[6:])["error"] for x in lines if x.startswith("data: {") and '"error"' in x]
         assert errors, lines[-3:]
         health = httpx.get(srv.url + "/health", timeout=10)
-        assert health.status_code == 503 and "rank 1 was killed by SIGKILL" in health.json()["error"]["message"]
+        assert health.status_code == 503 and re.search(r"rank \d was killed by SIGKILL", health.json()["error"]["message"])
         assert srv.proc.wait(timeout=30) != 0
         gone, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
