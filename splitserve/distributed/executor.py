@@ -120,13 +120,16 @@ def describe_exit(rank: int, code: int | None) -> str:
 
 
 class _RemoteStep:
-    """A step sent to the ranks; `collect` waits for its StepDone. Like InFlightStep for the core:
-    it must be collected before the next is scheduled (world > 1 runs steps synchronously)."""
-    needs_sync = True
+    """A step sent to the ranks; `collect` waits for its StepDone. For the core it is an InFlightStep:
+    with async scheduling the next step is sent before this one is collected. Each rank finishes a
+    step (its tokens recorded in its persistent batch) before it reads the next message, so a rank
+    never runs on a pending token: only the core's grammars need a step's tokens before the next
+    one is scheduled (its next masks)."""
     sample_requests = None  # the ranks know them; the core cannot check the count here
 
     def __init__(self, sched, step_no: int):
         self.sched, self.step_no = sched, step_no
+        self.needs_sync = sched.grammar is not None
 
 
 class MultiprocExecutor:
@@ -143,10 +146,16 @@ class MultiprocExecutor:
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription, not only the first
         self.pub.setsockopt(zmq.LINGER, 2000)     # Stop reaches the ranks after we return
-        self.pub.bind(self.addrs.step_bind)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(self.addrs.result_bind)
+        for sock, addr in ((self.pub, self.addrs.step_bind), (self.pull, self.addrs.result_bind)):
+            try:
+                sock.bind(addr)
+            except zmq.ZMQError as e:
+                self.ctx.destroy(linger=0)
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+                raise ValueError(f"cannot listen on {addr} for the ranks: {e} (is --master-addr an address of "
+                                 f"this host, and are --master-port + 1 and + 2 free?)") from None
         self._encode = Codec(CoreToWorker).encode
         self._decoder = Codec(WorkerToCore)
         self.procs: dict[int, multiprocessing.Process] = {}

@@ -10,7 +10,9 @@ Each step every rank applies the message to its own persistent batch and runs it
 stage's tensor-parallel rank 0 alone samples (the others of that stage hold the same logits, but
 nobody else needs them), broadcasts the sampled ids to every rank (each records them in its
 persistent batch: the next step's inputs), and sends the step's tokens and logprobs to the core.
-Each step is collected before the next message is read (the core runs world > 1 steps synchronously).
+Each step is collected before the next message is read, so a rank never holds a pending token; the
+core may still send step N+1 before it has N's answer (async scheduling): the message waits in the
+socket while the rank finishes N, and the core's scheduling overlaps the ranks' work.
 
 The process dies with its parent (PR_SET_PDEATHSIG), and leaves when the core's sockets go away (a
 core on another host) or its parent's pid changes.

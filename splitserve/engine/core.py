@@ -157,11 +157,6 @@ class EngineCore:
                                                   lambda: _core_tokenizer(spec, args.random_weights))
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
-        if args.world_size > 1 and self.async_scheduling:
-            # The ranks answer a step only when it is done, so the next cannot be scheduled over it.
-            if args.async_scheduling:
-                logger.warning("async scheduling is not supported with several ranks yet; steps run synchronously")
-            self.async_scheduling = False
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
         self.num_received = 0
@@ -181,6 +176,9 @@ class EngineCore:
     def _init_ranks(self, args: EngineArgs, spec: ModelSpec) -> None:
         """World size > 1: one worker process per rank, stepped through the executor (distributed/)."""
         from splitserve.distributed.executor import MultiprocExecutor
+        if args.node_rank != 0:
+            raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; on the other nodes "
+                             f"`splitserve serve --node-rank {args.node_rank} ...` starts their ranks only")
         config = spec.config
         self.runner = MultiprocExecutor(args, spec, resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
                                                                            config.model.dtype))

@@ -82,10 +82,16 @@ def test_ranks_give_transformers_greedy_tokens(tiny_dir, hf_reference, tp, pp):
 
 
 def test_seeded_sampling_with_two_ranks_equals_one(tiny_dir):
-    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+    """With async scheduling on (the core schedules step N+1 before N's answer) and penalties (which
+    read each request's earlier tokens on the host, in the rank) against one process stepping
+    synchronously."""
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True,
+                             repetition_penalty=1.5 if i % 2 else 1.0)
               for i in range(len(PROMPTS))]
-    one = [o.outputs[0].token_ids for o in LLM(tiny_dir, **SMALL).generate(PROMPTS, params, use_tqdm=False)]
-    llm = LLM(tiny_dir, tensor_parallel_size=2, **SMALL)
+    one = [o.outputs[0].token_ids for o in LLM(tiny_dir, async_scheduling=False, **SMALL).generate(
+        PROMPTS, params, use_tqdm=False)]
+    llm = LLM(tiny_dir, tensor_parallel_size=2, async_scheduling=True, **SMALL)
+    assert llm.engine.core.async_scheduling
     two = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     llm.engine.core.shutdown()
     assert two == one
