@@ -88,11 +88,18 @@ def test_seeded_sampling_with_two_ranks_equals_one(tiny_dir):
     params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True,
                              repetition_penalty=1.5 if i % 2 else 1.0)
               for i in range(len(PROMPTS))]
+    # and a constrained request: its bitmask rows travel in the step message to the sampling rank
+    from splitserve.sampling_params import StructuredOutputsParams
+    params.append(SamplingParams(max_tokens=12, temperature=1.0, seed=7,
+                                 structured_outputs=StructuredOutputsParams(choice=["alpha beta", "gamma", "delta"])))
+    prompts = PROMPTS + ["Pick one:"]
     one = [o.outputs[0].token_ids for o in LLM(tiny_dir, async_scheduling=False, **SMALL).generate(
-        PROMPTS, params, use_tqdm=False)]
+        prompts, params, use_tqdm=False)]
     llm = LLM(tiny_dir, tensor_parallel_size=2, async_scheduling=True, **SMALL)
     assert llm.engine.core.async_scheduling
-    two = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[-1].outputs[0].text in ("alpha beta", "gamma", "delta")
+    two = [o.outputs[0].token_ids for o in outs]
     llm.engine.core.shutdown()
     assert two == one
     assert_no_processes_left()
