@@ -12,7 +12,7 @@ from torch import nn
 
 from splitserve.attention.layer import Attention
 from splitserve.layers.activation import silu_and_mul
-from splitserve.layers.linear import Linear, MergedLinear
+from splitserve.layers.linear import Linear, MergedLinear, linear
 from splitserve.layers.norm import RMSNorm
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         needs it: a greedy batch takes the argmax of these directly (exact, as the conversion is)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
-            return torch.nn.functional.linear(hidden, weight)
+            return linear(hidden, weight)
         return torch.mm(hidden, weight.t(), out=out)
 
     # -- weights ---------------------------------------------------------------------------------
