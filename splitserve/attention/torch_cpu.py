@@ -77,39 +77,80 @@ class CpuStepPlan:
                 and (kv_cache.shape[1:], kv_cache.dtype) == self.cache_layout)
 
 
-def _group(seq_ids: list[int], q_lens: list[int], q_starts: list[int], seq_lens: list[int],
-           meta: AttentionMetadata, kv_cache: torch.Tensor, group_size: int, all_rows: bool) -> AttentionGroup:
-    """The plan of one SDPA call over sequences `seq_ids` (their query lengths, first query rows and
-    context lengths given)."""
+def _context_blocks(table: torch.Tensor, lens: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
+    """AttentionGroup.halves of sequences with these block-table rows and context lengths."""
+    # Table entries past a sequence's own blocks are unspecified: read block 0 there (masked).
+    in_use = torch.arange(nb, device=table.device)[None, :] * block_size < lens[:, None]
+    return torch.where(in_use, table[:, :nb].long(), 0).reshape(-1) * 2
+
+
+def decode_group(table: torch.Tensor, lens: torch.Tensor, nb: int, rows: torch.Tensor | None,
+                 kv_cache: torch.Tensor) -> AttentionGroup:
+    """Sequences with one query each: their block-table rows, context lengths (device tensors, so a
+    decode graph's metadata serves) and at most nb blocks of context."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    B = table.shape[0]
+    mask = (torch.arange(nb * block_size, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+    k_buf = kv_cache.new_empty(B * nb, block_size, num_kv_heads, head_dim)
+    return AttentionGroup(rows, None, B, 1, _context_blocks(table, lens, nb, block_size), mask, k_buf,
+                          torch.empty_like(k_buf))
+
+
+def padded_group(table: torch.Tensor, seq_lens: list[int], q_lens: list[int], q_starts: list[int],
+                 all_rows: bool, kv_cache: torch.Tensor, group_size: int) -> AttentionGroup:
+    """Sequences with longer queries, padded to the longest: their block-table rows, context and
+    query lengths and first query rows (host values); all_rows: they are the step's rows, in order."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     device = kv_cache.device
-    B, max_q = len(seq_ids), max(q_lens)
+    B, max_q = len(seq_lens), max(q_lens)
     nb = -(-max(seq_lens) // block_size)
     lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
-    ids = torch.tensor(seq_ids, dtype=torch.long, device=device)
-    table = meta.block_tables.index_select(0, ids)[:, :nb].long()
-    # Table entries past a sequence's own blocks are unspecified: read block 0 there (masked below).
-    in_use = torch.arange(nb, device=device)[None, :] * block_size < lens[:, None]
-    halves = torch.where(in_use, table, 0).reshape(-1) * 2
+    # Query t of sequence i sits at position seq_len - q_len + t and sees keys up to it; a padding
+    # query row (t >= q_len) sees the whole context (its output is dropped; a row seeing nothing
+    # would be NaN). The rows of one KV head are its `group_size` query heads' max_q rows each.
+    last = (lens - torch.tensor(q_lens, device=device))[:, None] + torch.arange(max_q, device=device)[None, :]
     key = torch.arange(nb * block_size, device=device)
-    if max_q == 1:
-        mask = (key[None, :] < lens[:, None])[:, None, None, :]
-        rows = None if all_rows else torch.tensor(q_starts, dtype=torch.long, device=device)
-        pad_rows = None
-    else:
-        # Query t of sequence i sits at position seq_len - q_len + t and sees keys up to it; a padding
-        # query row (t >= q_len) sees the whole context (its output is dropped; a row seeing nothing
-        # would be NaN). The rows of one KV head are its `group_size` query heads' max_q rows each.
-        ql = torch.tensor(q_lens, dtype=torch.long, device=device)
-        t = torch.arange(max_q, device=device)
-        last = (lens - ql)[:, None] + t[None, :]                                 # [B, max_q]
-        mask = (key[None, None, :] <= last[:, :, None]) & (key[None, None, :] < lens[:, None, None])
-        mask = mask[:, None, None].expand(B, 1, group_size, max_q, nb * block_size)
-        mask = mask.reshape(B, 1, group_size * max_q, nb * block_size)
-        rows = None if all_rows else torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, q_lens)]).to(device)
-        pad_rows = torch.cat([torch.arange(i * max_q, i * max_q + n) for i, n in enumerate(q_lens)]).to(device)
+    mask = (key[None, None, :] <= last[:, :, None]) & (key[None, None, :] < lens[:, None, None])  # [B, max_q, L]
+    mask = mask[:, None, None].expand(B, 1, group_size, max_q, nb * block_size)
+    mask = mask.reshape(B, 1, group_size * max_q, nb * block_size)
+    rows = None if all_rows else torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, q_lens)]).to(device)
+    pad_rows = torch.cat([torch.arange(i * max_q, i * max_q + n) for i, n in enumerate(q_lens)]).to(device)
     k_buf = kv_cache.new_empty(B * nb, block_size, num_kv_heads, head_dim)
-    return AttentionGroup(rows, pad_rows, B, max_q, halves, mask, k_buf, torch.empty_like(k_buf))
+    return AttentionGroup(rows, pad_rows, B, max_q, _context_blocks(table, lens, nb, block_size), mask, k_buf,
+                          torch.empty_like(k_buf))
+
+
+def plan_groups(meta: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int, num_tokens: int) -> list[AttentionGroup]:
+    """The step's SDPA calls (see the module's docstring)."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if meta.max_query_len == 1 and num_tokens == meta.num_seqs:
+        # Pure decode: from the device tensors only. A decode graph's metadata has only placeholders
+        # on the host (and max_seq_len at the model's limit).
+        nb = min(-(-meta.max_seq_len // block_size), meta.block_tables.shape[1])
+        return [decode_group(meta.block_tables, meta.seq_lens.long(), nb, None, kv_cache)]
+    qsl = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens_cpu.tolist()
+    n = len(seq_lens)
+    decode = [i for i in range(n) if qsl[i + 1] - qsl[i] == 1]
+    longer = [i for i in range(n) if qsl[i + 1] - qsl[i] > 1]
+    device = kv_cache.device
+    groups = []
+    if decode:
+        ids = torch.tensor(decode, dtype=torch.long, device=device)
+        nb = -(-max(seq_lens[i] for i in decode) // block_size)
+        groups.append(decode_group(meta.block_tables.index_select(0, ids),
+                                   meta.seq_lens_cpu.to(device).index_select(0, ids).long(), nb,
+                                   torch.tensor([qsl[i] for i in decode], dtype=torch.long, device=device), kv_cache))
+    if longer:
+        q_lens = [qsl[i + 1] - qsl[i] for i in longer]
+        # One call for them all unless padding would more than double their rows: then one each.
+        parts = [longer] if len(longer) * max(q_lens) <= 2 * sum(q_lens) else [[i] for i in longer]
+        for p in parts:
+            ids = torch.tensor(p, dtype=torch.long, device=device)
+            groups.append(padded_group(meta.block_tables.index_select(0, ids), [seq_lens[i] for i in p],
+                                       [qsl[i + 1] - qsl[i] for i in p], [qsl[i] for i in p],
+                                       not decode and len(p) == n, kv_cache, num_heads // num_kv_heads))
+    return groups
 
 
 def plan_cpu_step(meta: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
@@ -128,30 +169,7 @@ def plan_cpu_step(meta: AttentionMetadata, kv_cache: torch.Tensor, num_heads: in
         # same products and sums, so the same bits); partial rotary goes through apply_rotary_qk
         cos, sin = cos_sin[positions].chunk(2, dim=-1)
         rot_cos, rot_sin = torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
-
-    group_size = num_heads // num_kv_heads
-    qsl = meta.query_start_loc_cpu.tolist()
-    seq_lens = meta.seq_lens_cpu.tolist()
-    decode, longer = [], []
-    for i in range(len(seq_lens)):
-        q_len = qsl[i + 1] - qsl[i]
-        if q_len:
-            (decode if q_len == 1 else longer).append(i)
-    groups = []
-    total = qsl[len(seq_lens)]
-    for part in (decode, longer):
-        if not part:
-            continue
-        q_lens = [qsl[i + 1] - qsl[i] for i in part]
-        if len(part) > 1 and len(part) * max(q_lens) > 2 * sum(q_lens):
-            parts = [[i] for i in part]  # padding would more than double the rows: one call each
-        else:
-            parts = [part]
-        for p in parts:
-            ql = [qsl[i + 1] - qsl[i] for i in p]
-            all_rows = sum(ql) == total and len(p) == len(seq_lens)  # every query row, in order
-            groups.append(_group(p, ql, [qsl[i] for i in p], [seq_lens[i] for i in p], meta, kv_cache,
-                                 group_size, all_rows))
+    groups = plan_groups(meta, kv_cache, num_heads, meta.slot_mapping.shape[0])
     return CpuStepPlan(meta, positions, cos_sin, (kv_cache.shape[1:], kv_cache.dtype), num_heads, rows, keep,
                        rot_cos, rot_sin, groups)
 

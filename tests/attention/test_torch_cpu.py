@@ -64,6 +64,21 @@ def test_attend_matches_reference(step, kv_heads, heads):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_attend_with_decode_graph_metadata():
+    """A decode graph's metadata (backend hooks): lengths only in the device tensors (the host copies
+    are placeholders), max_seq_len at the model's limit, a padding row of length 0. Real rows match."""
+    q, _, _, cache, meta, _ = random_step(8, [(12, 1), (30, 1), (5, 1)], 4, 2, 6, 16)
+    backend = TorchRefBackend()
+    state = backend.decode_graph_state(8, 16, 64, 2, torch.device("cpu"))
+    state.seq_lens[:6] = 50  # what a previous, longer step left
+    backend.prepare_replay(state, meta, 4)
+    graph_meta = backend.capture_metadata(state, 4)
+    assert graph_meta.seq_lens_cpu.sum() == 0 and graph_meta.max_seq_len == 64
+    q4 = torch.cat([q, torch.randn(1, 6, 16)])
+    got = attend_planned(q4, cache, plan_cpu_step(graph_meta, cache, 6), 0.25)
+    torch.testing.assert_close(got[:3], paged_attention_ref(q, cache, meta, 0.25), atol=1e-5, rtol=1e-5)
+
+
 def test_attend_skips_sequences_without_queries():
     """A sequence scheduled with no query tokens (q_len 0) is attended by nobody; the rest are."""
     q, _, _, cache, meta, _ = random_step(3, [(5, 1), (9, 1), (4, 3)], 4, 2, 6, 16)
