@@ -1,7 +1,8 @@
 """One device run: correctness of the fast path against torch_ref, then the issue-4 benchmarks.
 
     python benchmarks/gpu_suite.py --check [--tokenizer-dir DIR]  # greedy tokens: fast path vs torch_ref
-    python benchmarks/gpu_suite.py --bench decode,prefill,tp128,tp1024 [--repeats 3]
+    python benchmarks/gpu_suite.py --bench decode,prefill,tp128,tp1024 [--repeats 3] [--quantization fp8]
+    ... [--kv-cache-dtype fp8]  # both: an FP8 KV cache (the check's torch_ref reference uses one too)
 
 Benchmarks use the Llama-3-8B-shaped config in benchmarks/configs/llama3-8b with random bf16 weights,
 token-id prompts and ignore_eos (fixed output lengths); a fresh prompt seed per run so nothing hits the
@@ -31,7 +32,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
 
 
-def check(tokenizer_dir: str) -> None:
+def check(tokenizer_dir: str, kv_cache_dtype: str = "auto", quantization: str | None = None) -> None:
     """Greedy tokens of the fast path (Triton, compiled layers, CUDA graphs) vs the torch_ref backend
     run eagerly, on a random Llama checkpoint saved by transformers (GQA, head_dim 64): fp32 (should
     agree but for near-ties) and bf16."""
@@ -50,27 +51,34 @@ def check(tokenizer_dir: str) -> None:
     p += [p[0] + p[1][:k] for k in (3, 17, 40)]  # shared prefixes: prefix-cache hits
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     for dtype in ("float32", "bfloat16"):
-        ref = LLM(path, dtype=dtype, attention_backend="torch_ref", enforce_eager=True, num_blocks=4096)
+        ref = LLM(path, dtype=dtype, attention_backend="torch_ref", enforce_eager=True, num_blocks=4096,
+                  kv_cache_dtype=kv_cache_dtype, quantization=quantization)
         ref_out = [o.outputs[0].token_ids for o in ref.generate(p, params, use_tqdm=False)]
         del ref
         torch.cuda.empty_cache()
-        fast = LLM(path, dtype=dtype, max_num_batched_tokens=512, num_blocks=4096)  # chunked prefill + decodes
+        fast = LLM(path, dtype=dtype, max_num_batched_tokens=512, num_blocks=4096,  # chunked prefill + decodes
+                   kv_cache_dtype=kv_cache_dtype, quantization=quantization)
         fast_out = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]
         again = [o.outputs[0].token_ids for o in fast.generate(p, params, use_tqdm=False)]  # prefix-cache hits
         pool_whole = fast.engine.kv_manager.pool.is_whole()
         same = sum(a == b for a, b in zip(ref_out, fast_out))
         same2 = sum(a == b for a, b in zip(fast_out, again))
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref_out, fast_out)]
-        rows.append((f"check {dtype}: fast == torch_ref (greedy, 48 tok)", f"{same}/{len(p)} equal; first diverging "
+        rows.append((f"check {dtype}, KV {kv_cache_dtype}: fast == torch_ref (greedy, 48 tok)", f"{same}/{len(p)} equal; first diverging "
                      f"positions {[x for x in prefix if x < 48]}; rerun w/ prefix hits {same2}/{len(p)}; pool whole {pool_whole}"))
         del fast
         torch.cuda.empty_cache()
 
 
-def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tokens: int,
+          kv_cache_dtype: str = "auto", quantization: str | None = None) -> None:
     t0 = time.perf_counter()
     llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization)
+    rows.append(("quantization", llm.engine.config.model.quantization or "none (bf16)"))
+    rows.append(("KV cache", f"{kv_cache_dtype}: {llm.engine.core.num_blocks} blocks of "
+                 f"{llm.engine.config.cache.block_size} tokens"))
     engine_s = time.perf_counter() - t0
     vocab = llm.engine.config.model.vocab_size
     seed = iter(range(1000, 10**6))
@@ -125,12 +133,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                    help="the engines' KV-cache element type (EngineArgs.kv_cache_dtype)")
+    ap.add_argument("--quantization", default=None,
+                    help="passed to LLM(quantization=...): fp8 quantizes the random bf16 weights at load")
     args = ap.parse_args()
     try:
         if args.check:
-            check(args.tokenizer_dir)
+            check(args.tokenizer_dir, args.kv_cache_dtype, args.quantization)
         if args.bench:
-            bench(args.bench.split(","), args.repeats, args.max_num_seqs, args.max_num_batched_tokens)
+            bench(args.bench.split(","), args.repeats, args.max_num_seqs, args.max_num_batched_tokens,
+                  args.kv_cache_dtype, args.quantization)
     finally:
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
         for name, value in rows:

@@ -39,7 +39,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str,
     default_text: what `--help` shows as the default instead of the value (for None meaning "decided
       at start-up", or a value that must not be printed, such as a key read from the environment).
     aliases: other spellings of the flag; negative_aliases: other spellings of its `--no-` form.
-    positional: an optional positional argument (`nargs="?"`) instead of a flag."""
+    positional: also an optional positional argument (`nargs="?"`), besides the flag."""
     metadata = {"help": help, "default_text": default_text, "choices": tuple(choices) if choices else None,
                 "aliases": tuple(aliases), "negative_aliases": tuple(negative_aliases),
                 "positional": positional, "metavar": metavar}
@@ -48,6 +48,10 @@ def option(default: Any = dataclasses.MISSING, *, help: str,
 
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _positional_dest(name: str) -> str:
+    return f"{name}__positional"
 
 
 def _base_type(annotation: Any) -> tuple[Any, bool]:
@@ -96,11 +100,14 @@ class CliOptions:
             kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
             if md["metavar"]:
                 kw["metavar"] = md["metavar"]
-            if md["positional"]:
-                del kw["dest"]
-                group.add_argument(f.name, nargs="?", type=kind, **kw)
-                continue
             flags = [flag_name(f.name), *md["aliases"]]
+            if md["positional"]:
+                # Both `serve MODEL` and `serve --model MODEL` (vLLM takes both). The positional has a
+                # dest of its own, so from_namespace can tell a conflict from a repetition.
+                group.add_argument(*flags, type=kind, **kw)
+                group.add_argument(_positional_dest(f.name), nargs="?", type=kind, default=argparse.SUPPRESS,
+                                   metavar=md["metavar"] or f.name, help=f"the same as {flags[0]}")
+                continue
             if kind is bool:
                 # A switch that is off by default needs no --no- form; one that is on (or undecided)
                 # does, spelled --no-<flag> like vLLM's.
@@ -123,7 +130,16 @@ class CliOptions:
     def from_namespace(cls: type[T], ns: argparse.Namespace | None) -> T:
         """The fields found on `ns` (parsed arguments, which may hold other parsers' options too);
         a field `ns` lacks keeps its default."""
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("positional") or not hasattr(ns, _positional_dest(f.name)):
+                continue
+            given = getattr(ns, _positional_dest(f.name))
+            flag = values.get(f.name)
+            if flag is not None and flag != given:
+                raise ValueError(f"{f.name} given twice, as {given!r} and as {flag_name(f.name)} {flag!r}")
+            values[f.name] = given
+        return cls(**values)
 
     @classmethod
     def from_kwargs(cls: type[T], caller: str, **kwargs: Any) -> T:

@@ -10,6 +10,19 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+# KV-cache element types by their option names (vLLM's spellings). "auto" is the model's dtype; "fp8"
+# is e4m3 (the format with per-tensor k/v scales that checkpoints carry), so both names mean one dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> Any:
+    """The torch dtype of the KV cache for an option value (see KV_CACHE_DTYPES)."""
+    import torch
+    _require(kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about the model, read from an HF config (or a GGUF's metadata)."""
@@ -19,6 +32,14 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    quant_config: Any = None  # a layers.quantization QuantConfig, or None for float weights
+
+    @property
+    def quantization(self) -> str | None:
+        """What runs, for the log and /v1/models, led by vLLM's name of the quantization: e.g.
+        "fp8: FP8 per-channel weights, dynamic per-token activations (quantized at load)"."""
+        q = self.quant_config
+        return None if q is None else q.describe()
 
     @property
     def num_layers(self) -> int:
@@ -42,8 +63,10 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized from free memory (CUDA) or cpu_kv_cache_gib (CPU)
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        resolve_kv_cache_dtype(self.kv_cache_dtype, None)  # validates the name
         _require(self.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8..128 (power of two), got {self.block_size}")
         _require(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")

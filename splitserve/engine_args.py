@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
+from splitserve.config import KV_CACHE_DTYPES
+from splitserve.layers.quantization import QUANTIZATION_METHODS
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+# half and float are vLLM's (and torch's) other spellings of float16 and float32.
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 ATTENTION_BACKENDS = ("torch_ref", "triton")
 
 
@@ -15,12 +18,25 @@ ATTENTION_BACKENDS = ("torch_ref", "triton")
 class EngineArgs(CliOptions):
     model: str | None = option(
         None, positional=True, default_text="SmolLM2-135M-Instruct",
-        help="HF model directory, .gguf file, or a repo id already in the local Hugging Face cache")
+        help="HF model directory, .gguf file, or a repo id already in the local Hugging Face cache; "
+             "given as --model or as the first positional argument")
+    tokenizer: str | None = option(
+        None, default_text="the model's",
+        help="HF directory, .gguf file or cached repo id to take the tokenizer (and chat template) from")
     dtype: str = option(
         "auto", choices=DTYPES,
         help="weights and activations; auto: float32 on CPU, else the checkpoint's float16/bfloat16 "
              "(bfloat16 when it names neither)")
+    quantization: str | None = option(
+        None, choices=QUANTIZATION_METHODS, default_text="the checkpoint's quantization_config, else none",
+        help="linear-layer quantization, by vLLM's names: fp8 quantizes a float checkpoint's weights to FP8 "
+             "at load (per-channel weights, per-token activations); compressed-tensors (FP8, W8A8 INT8) and "
+             "modelopt (FP8) name the format of an already quantized checkpoint, which is found without the "
+             "flag. GGUF files are dequantized at load")
     device: str | None = option(None, default_text="cuda if available, else cpu", help="cuda or cpu")
+    seed: int | None = option(
+        None, default_text="none: unseeded requests draw fresh randomness",
+        help="seeds the engine's random state, so unseeded sampling repeats from run to run")
     max_model_len: int | None = option(
         None, default_text="the model's context length",
         help="longest sequence (prompt + output) in tokens; at most the model's context length")
@@ -30,10 +46,15 @@ class EngineArgs(CliOptions):
     block_size: int = option(16, help="tokens per KV-cache block (8, 16, 32, 64 or 128)")
     num_blocks: int | None = option(
         None, default_text="sized from free GPU memory, or --cpu-kv-cache-gib on CPU",
-        help="KV-cache blocks")
+        aliases=("--num-gpu-blocks-override",), help="KV-cache blocks (also as --num-gpu-blocks-override)")
     gpu_memory_utilization: float = option(
         0.9, help="fraction of the GPU's memory the engine may use, KV cache included")
     cpu_kv_cache_gib: float = option(1.0, help="KV-cache size on CPU, in GiB")
+    kv_cache_dtype: str = option(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="KV-cache element type; auto: the model's dtype; fp8 (the same as fp8_e4m3): FP8 e4m3 with "
+             "per-layer k/v scales from the checkpoint (1.0 when it has none), twice the tokens of a "
+             "bf16 cache in the same memory (CUDA needs compute capability 8.9+)")
     enable_prefix_caching: bool = option(
         True, negative_aliases=("--no-prefix-caching",),
         help="reuse the KV blocks of identical prompt prefixes across requests")
@@ -47,9 +68,28 @@ class EngineArgs(CliOptions):
         help="schedule the next step while the device runs the current one")
     # Here rather than with the server's options: the engine names its model with it (the name the
     # server answers to, /v1/models and the metrics' label all come from the engine).
-    served_model_name: str | None = option(
+    served_model_name: list[str] | None = option(
         None, default_text="the model's directory or file name, or its repo id",
-        help="the model name clients send and /v1/models shows")
+        help="the model names clients may send (several allowed); the first is the one responses and "
+             "metrics show")
+    generation_config: str = option(
+        "auto", metavar="auto|vllm|DIR",
+        help="where request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) come "
+             "from: auto: the model's generation_config.json; vllm: none (temperature 1.0, ...); DIR: the "
+             "generation_config.json in that directory")
+    override_generation_config: str | None = option(
+        None, metavar="JSON", default_text="none",
+        help="JSON object of defaults that replace those of the generation config, "
+             "e.g. '{\"temperature\": 0.5}'")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), the older form
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not self.served_model_name:
+            self.served_model_name = None  # a bare --served-model-name: the default name
+        # Checked here too (CacheConfig checks it again) so LLM(kv_cache_dtype=...) fails at once.
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def cli_title(cls) -> str:

@@ -1,24 +1,34 @@
 """Prometheus metrics of the server, named after vLLM's with a `splitserve:` prefix.
 
 Every app gets its own CollectorRegistry, so several apps (tests, embedding) never collide on the
-process-global registry. Two kinds of figures:
-- per-request figures (latencies, token counts, finish reasons) are observed as outputs arrive on
-  the event loop, from the engine-side timestamp of the step that produced them;
+process-global registry. Three kinds of figures:
+- per-request figures (latencies, token counts, finish reasons, phases: queue, prefill, decode) are
+  observed as outputs arrive on the event loop, from the engine-side timestamp of the step that
+  produced them;
+- per-step figures (tokens run by each engine step) arrive with the core's step messages;
 - engine state (running/waiting, KV usage, prefix-cache and preemption counters) is read at scrape
   time from the counters the engine core sends with each step, never from live structures.
+With `--metrics-compat vllm` every family is also answered under its `vllm:` name (and the older
+vLLM names of the KV-usage gauge and the per-token latency), so existing dashboards work.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from splitserve.engine.async_engine import RequestStream
 from splitserve.engine.messages import SchedulerStats
 from splitserve.engine.output_processor import RequestOutput
 
+logger = logging.getLogger(__name__)
+
+PREFIX = "splitserve:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Latency buckets spanning a fast GPU (milliseconds) to a slow CPU (tens of seconds).
@@ -28,6 +38,22 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM's older names of two families, answered too under --metrics-compat vllm.
+_VLLM_ALIASES = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",),
+                 "inter_token_latency_seconds": ("time_per_output_token_seconds",)}
+
+
+def _token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineStateCollector(Collector):
@@ -63,8 +89,29 @@ class _EngineStateCollector(Collector):
                       s.num_preemptions)
 
 
+class _Renamed(Collector):
+    """Every `splitserve:` family of another registry again, under the `vllm:` prefix (and the
+    aliases above). A collector of its own registry: registered with the source, it would collect itself."""
+
+    def __init__(self, source: CollectorRegistry, new_prefix: str = "vllm:"):
+        self.source = source
+        self.new_prefix = new_prefix
+
+    def collect(self):
+        for family in self.source.collect():
+            if not family.name.startswith(PREFIX):
+                continue
+            base = family.name[len(PREFIX):]
+            for name in (base, *_VLLM_ALIASES.get(base, ())):
+                copy = Metric(self.new_prefix + name, family.documentation, family.type, family.unit)
+                copy.samples = [s._replace(name=self.new_prefix + name + s.name[len(family.name):])
+                                for s in family.samples]
+                yield copy
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]):
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats], max_model_len: int = 2048,
+                 cache_info: dict[str, str] | None = None, compat: str | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, ln = self.registry, ["model_name"]
@@ -80,34 +127,127 @@ class ServerMetrics:
                              ln, buckets=_REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("splitserve:request_queue_time_seconds", "Time from arrival to first scheduling.",
                                     ln, buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram("splitserve:request_prefill_time_seconds",
+                                      "Time from first scheduling to the first token.", ln, buckets=_REQUEST_BUCKETS,
+                                      registry=r)
+        self.decode_time = Histogram("splitserve:request_decode_time_seconds",
+                                     "Time from the first token to the last.", ln, buckets=_REQUEST_BUCKETS, registry=r)
+        self.inference_time = Histogram("splitserve:request_inference_time_seconds",
+                                        "Time from first scheduling to the last token (prefill + decode).", ln,
+                                        buckets=_REQUEST_BUCKETS, registry=r)
+        token_buckets = _token_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram("splitserve:request_prompt_tokens", "Prompt tokens per request.",
+                                               ln, buckets=token_buckets, registry=r)
+        self.request_generation_tokens = Histogram("splitserve:request_generation_tokens",
+                                                   "Generated tokens per request (all n samples).", ln,
+                                                   buckets=token_buckets, registry=r)
+        self.params_n = Histogram("splitserve:request_params_n", "The n (parallel samples) of each request.", ln,
+                                  buckets=_N_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("splitserve:iteration_tokens_total", "Tokens run by each engine step.",
+                                          ln, buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
         self.registry.register(_EngineStateCollector(model_name, stats))
+        if cache_info is not None:
+            info = Gauge("splitserve:cache_config_info", "The KV cache's configuration (the labels; the value is 1).",
+                         sorted(cache_info), registry=r)
+            info.labels(**cache_info).set(1)
         # Touch each labelled series so the names appear (at 0) before the first request.
-        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                  self.prefill_time, self.decode_time, self.inference_time, self.request_prompt_tokens,
+                  self.request_generation_tokens, self.params_n, self.iteration_tokens):
             m.labels(model_name)
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        self.compat_registry = None
+        if compat == "vllm":
+            self.compat_registry = CollectorRegistry(auto_describe=True)
+            self.compat_registry.register(_Renamed(self.registry))
+        # Plain running totals for the periodic stats line (cheaper than reading the collectors).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
 
     def on_output(self, stream: RequestStream, out: RequestOutput, ts: float) -> None:
         """Observes one engine output of a request; `ts` is when the engine step produced it."""
         st = stream.metrics_state
         name = self.model_name
         new_tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+        if out.queue_time is not None and "scheduled" not in st:
+            st["scheduled"] = stream.arrival_time + max(0.0, out.queue_time)
         if new_tokens:
             if "first" not in st:
                 st["first"] = ts
                 self.ttft.labels(name).observe(ts - stream.arrival_time)
                 self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                self.total_prompt_tokens += len(out.prompt_token_ids)
                 if out.queue_time is not None:
                     self.queue_time.labels(name).observe(max(0.0, out.queue_time))
+                if "scheduled" in st:
+                    self.prefill_time.labels(name).observe(max(0.0, ts - st["scheduled"]))
             else:
                 self.itl.labels(name).observe(ts - st["last"])
             st["last"] = ts
             self.generation_tokens.labels(name).inc(new_tokens)
+            self.total_generation_tokens += new_tokens
         if out.finished:
             reasons = [o.finish_reason for o in out.outputs]
             reason = "error" if "error" in reasons else reasons[0] or "abort"
             self.request_success.labels(name, reason).inc()
             self.e2e.labels(name).observe(ts - stream.arrival_time)
+            self.params_n.labels(name).observe(len(out.outputs))
+            self.request_prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.labels(name).observe(sum(len(o.token_ids) for o in out.outputs))
+            if "first" in st:
+                self.decode_time.labels(name).observe(max(0.0, st["last"] - st["first"]))
+                if "scheduled" in st:
+                    self.inference_time.labels(name).observe(max(0.0, st["last"] - st["scheduled"]))
+
+    def on_step_tokens(self, counts: list[int]) -> None:
+        h = self.iteration_tokens.labels(self.model_name)
+        for n in counts:
+            h.observe(n)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if self.compat_registry is not None:
+            text += generate_latest(self.compat_registry)
+        return text
+
+
+class StatsLogger:
+    """vLLM's periodic log line while the engine is busy: throughput over the last interval,
+    running/waiting sequences, KV-cache usage and the prefix-cache hit rate. Quiet while idle (the
+    first interval after work still reports, so the log shows the engine winding down)."""
+
+    def __init__(self, metrics: ServerMetrics, stats: Callable[[], SchedulerStats], interval_s: float = 5.0):
+        self.metrics = metrics
+        self.stats = stats
+        self.interval_s = interval_s
+        self._last = self._snapshot(time.monotonic())
+
+    def _snapshot(self, now: float) -> tuple:
+        s = self.stats()
+        return now, self.metrics.total_prompt_tokens, self.metrics.total_generation_tokens, s.prefix_queries, s.prefix_hits
+
+    def line(self, now: float | None = None) -> str | None:
+        """The line for the interval since the last call (None when nothing happened in it); the
+        next interval starts here."""
+        now = time.monotonic() if now is None else now
+        t0, p0, g0, q0, h0 = self._last
+        snap = self._snapshot(now)
+        self._last = snap
+        _, p1, g1, q1, h1 = snap
+        s = self.stats()
+        if p1 == p0 and g1 == g0 and not s.num_running and not s.num_waiting:
+            return None
+        dt = max(now - t0, 1e-9)
+        hit_rate = 100.0 * (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+        return (f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, Avg generation throughput: "
+                f"{(g1 - g0) / dt:.1f} tokens/s, Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
+                f"KV cache usage: {100.0 * s.kv_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
+
+    async def run(self) -> None:
+        import asyncio
+        while True:
+            await asyncio.sleep(self.interval_s)
+            text = self.line()
+            if text is not None:
+                logger.info("%s", text)

@@ -64,6 +64,8 @@ class Request:
     first_token_time: float | None = None
     # Images of a multimodal prompt (multimodal.inputs.ImageItem), sorted by placeholder offset.
     mm_items: tuple = ()
+    # Structured outputs: its grammar's compile and matcher (structured_output.manager.RequestGrammar).
+    grammar: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

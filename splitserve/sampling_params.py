@@ -1,9 +1,88 @@
-"""User-facing sampling options, validated on construction."""
+"""User-facing sampling options, validated on construction.
+
+Names follow vLLM's: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`,
+`logit_bias`, `allowed_token_ids`, `bad_words`. What can be checked without a tokenizer is checked
+here; whether a schema, regex or grammar compiles is checked by the engine's front
+(structured_output/grammar.py), which also turns `bad_words` into token ids.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json as _json
+import math
+from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# OpenAI's range for logit_bias values: -100 bans a token, +100 forces it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint (exactly one of json, regex, choice, grammar, json_object)."""
+    json: str | dict | None = None      # a JSON schema (an object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None     # the output is exactly one of these strings
+    grammar: str | None = None          # EBNF (GBNF-style: `root ::= ...`)
+    json_object: bool | None = None     # any JSON object
+    # JSON only: no free whitespace between tokens (compact output, no runaway newlines).
+    disable_any_whitespace: bool = False
+    # JSON schema only: objects may not hold properties the schema does not list.
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None  # vLLM's; not supported by the xgrammar backend
+    structural_tag: str | None = None      # vLLM's; not supported
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (use disable_any_whitespace)")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def key(self) -> tuple:
+        """What the compiled grammar depends on: (kind, canonical spec, options). Equal keys share
+        one compilation."""
+        kind = self.kind
+        if kind == "json":
+            spec = self.json
+            if isinstance(spec, str):
+                try:
+                    spec = _json.loads(spec)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            spec = _json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            spec = _json.dumps(self.choice, ensure_ascii=False)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = getattr(self, kind)
+        json_like = kind in ("json", "json_object")
+        return (kind, spec, json_like and self.disable_any_whitespace,
+                kind == "json" and self.disable_additional_properties)
 
 
 @dataclass
@@ -25,6 +104,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # {token id: bias added to its logit}, values in [-100, 100] (-100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None          # never generated (as whole token sequences)
+    structured_outputs: StructuredOutputsParams | None = None
+    # bad_words as token-id sequences (each word with and without a leading space): set by the
+    # engine's front, which holds the tokenizer.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,7 +120,34 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         self._validate()
+
+    @staticmethod
+    def _normalize_logit_bias(bias) -> dict[int, float]:
+        """Keys may be ints or their decimal text (OpenAI's JSON has string keys)."""
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}")
+        out = {}
+        for k, v in bias.items():
+            try:
+                tid = k if isinstance(k, int) and not isinstance(k, bool) else int(str(k).strip(), 10)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if tid < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or abs(v) > LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
+            out[tid] = float(v)
+        return out
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -70,6 +184,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

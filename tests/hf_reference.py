@@ -33,3 +33,30 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
     return tokens, logprobs
+
+
+def e4m3_kv_attention(scales: dict[int, tuple[float, float]] | None = None) -> str:
+    """Registers (and names) a transformers attention function that is SDPA over K and V rounded to
+    FP8 e4m3 the way an FP8 KV cache stores them: per layer, x / scale in fp32, saturated at +-448,
+    rounded to e4m3 by torch's cast, times the scale; `scales` maps a layer index to its (k_scale,
+    v_scale), 1.0 where absent. Use it with model.set_attn_implementation(name)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    scales = dict(scales or {})
+
+    def e4m3(x, scale):
+        s = torch.tensor(scale, dtype=torch.float32)
+        return ((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        k_scale, v_scale = scales.get(module.layer_idx, (1.0, 1.0))
+        return sdpa_attention_forward(module, query, e4m3(key, k_scale), e4m3(value, v_scale), attention_mask,
+                                      **kwargs)
+
+    name = f"splitserve_e4m3_kv_{len(_E4M3_NAMES)}"
+    _E4M3_NAMES.append(name)
+    AttentionInterface.register(name, attention)
+    return name
+
+
+_E4M3_NAMES: list[str] = []

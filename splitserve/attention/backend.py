@@ -11,7 +11,10 @@ This module defines the interface; attention/registry.py picks a backend by name
 Layouts (shared by every backend and kernel):
   q            [num_tokens, num_heads, head_dim]
   k, v         [num_tokens, num_kv_heads, head_dim]
-  kv_cache     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0: K, 1: V)
+  kv_cache     [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0: K, 1: V), in the model's
+               dtype or FP8 e4m3 (torch.float8_e4m3fn): then K is stored as clamp(k / k_scale, ±448)
+               rounded to e4m3 and read back as stored * k_scale (V likewise with v_scale); k_scale
+               and v_scale are one-element fp32 device tensors of the layer (1.0 when None)
   slot_mapping [num_tokens] int64, slot = block_id * block_size + offset; -1 = padding, not stored
   Sequence i owns query tokens query_start_loc[i]:query_start_loc[i+1]; they are the LAST
   q_len_i tokens of its context of seq_lens[i] tokens (positions seq_lens[i]-q_len_i .. seq_lens[i]-1),
@@ -23,6 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: stores saturate there
 
 
 @dataclass
@@ -73,6 +79,7 @@ class AttentionKernelSpec:
     num_sms: int                         # the GPU's SM count (what launch heuristics see)
     capability: int                      # e.g. 90 for sm_90
     rot_dim: int                         # rotary width (a backend may apply it in its KV store); 0: none
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: dtype
 
 
 class AttentionBackend:
@@ -83,9 +90,11 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
-                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+                cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Stores k/v and attends. With a rotary table (cos_sin, see layers/rotary.apply_rotary) q and
-        k are first rotated at `positions`: the model hands them over straight from its projection."""
+        k are first rotated at `positions`: the model hands them over straight from its projection.
+        k_scale / v_scale: the FP8 cache's scales (see the layouts above); ignored for other caches."""
         raise NotImplementedError
 
     # -- metadata ------------------------------------------------------------------------------------

@@ -39,14 +39,16 @@ def forward_context(ctx: ForwardContext):
 # the cache, and a declared mutation would make the compiler functionalize (copy) a multi-GB tensor.
 # The cache is an argument (not looked up by layer index) so every decoder layer traces to the same
 # graph and compiles once.
+# k_scale / v_scale are the layer's FP8 KV scales (device tensors, so a checkpoint's values need no
+# recompile and CUDA graphs read them at replay); backends use them only when the cache is FP8.
 @torch.library.custom_op("splitserve::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 positions: torch.Tensor, cos_sin: torch.Tensor | None,
-                 num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
-    return _attention(q, k, v, kv_cache, positions, cos_sin, num_heads, num_kv_heads, scale)
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor | None, num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+    return _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale)
 
 
-def _attention(q, k, v, kv_cache, positions, cos_sin, num_heads, num_kv_heads, scale):
+def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale):
     """The op's body: the backend's forward on the step's metadata."""
     ctx = _context
     if ctx is None:
@@ -54,12 +56,13 @@ def _attention(q, k, v, kv_cache, positions, cos_sin, num_heads, num_kv_heads, s
     T = q.shape[0]
     head_dim = q.shape[1] // num_heads
     out = ctx.backend.forward(q.view(T, num_heads, head_dim), k.view(T, num_kv_heads, head_dim),
-                              v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale, positions, cos_sin)
+                              v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale, positions, cos_sin,
+                              k_scale=k_scale, v_scale=v_scale)
     return out.reshape(T, num_heads * head_dim)
 
 
 @attention_op.register_fake
-def _(q, k, v, kv_cache, positions, cos_sin, num_heads, num_kv_heads, scale):
+def _(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale):
     return q.new_empty(q.shape)
 
 
@@ -76,11 +79,51 @@ class Attention(nn.Module):
         # This layer's paged cache [num_blocks, 2, block_size, num_kv_heads, head_dim]; bound by the
         # model runner once memory is sized. A buffer, so compiled graphs take it as an input.
         self.register_buffer("kv_cache", torch.empty(0), persistent=False)
+        # Per-tensor FP8 scales of this layer's cached K and V (stored = x / scale, read = stored *
+        # scale), from the checkpoint when it has them (load_kv_scale), else 1.0. Always fp32,
+        # whatever the model's dtype; unused unless the cache is FP8.
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+
+    def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
+        """Sets k_scale or v_scale (`which`) from a checkpoint tensor holding one positive value."""
+        if tensor.numel() != 1:
+            raise ValueError(f"layer {self.layer_idx}: {which} must be one per-tensor value, got shape "
+                             f"{tuple(tensor.shape)} (per-head or per-channel KV scales are not supported)")
+        value = float(tensor.float().reshape(()))
+        if not (value > 0 and value != float("inf")):
+            raise ValueError(f"layer {self.layer_idx}: {which} must be a positive finite number, got {value}")
+        getattr(self, which).fill_(value)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos_sin = None if self.rotary is None else self.rotary.cos_sin
         if q.device.type == "cpu" and not torch.compiler.is_compiling():
             # Eager on CPU there is no graph to cut: the body directly, without the custom op's
             # dispatch (Python, about 0.1 ms a call: 3 ms a step of a 30-layer model). Same result.
-            return _attention(q, k, v, self.kv_cache, positions, cos_sin, self.num_heads, self.num_kv_heads, self.scale)
-        return attention_op(q, k, v, self.kv_cache, positions, cos_sin, self.num_heads, self.num_kv_heads, self.scale)
+            return _attention(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
+                              self.num_heads, self.num_kv_heads, self.scale)
+        return attention_op(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
+                            self.num_heads, self.num_kv_heads, self.scale)
+
+
+# How checkpoints name a layer's KV-cache scales (the prefix before ".self_attn." is kept), and which
+# of the Attention module's scales each fills. vLLM reads the same names: compressed-tensors writes
+# self_attn.{k,v}_scale (older versions: the k/v projections' output_scale), NVIDIA ModelOpt
+# self_attn.{k,v}_proj.{k,v}_scale, and early FP8 checkpoints one self_attn.kv_scale for both.
+_KV_SCALE_NAMES = {
+    "k_scale": ("k_scale",), "v_scale": ("v_scale",),
+    "attn.k_scale": ("k_scale",), "attn.v_scale": ("v_scale",),
+    "k_proj.k_scale": ("k_scale",), "v_proj.v_scale": ("v_scale",),
+    "k_proj.output_scale": ("k_scale",), "v_proj.output_scale": ("v_scale",),
+    "kv_scale": ("k_scale", "v_scale"),
+}
+
+
+def kv_scale_targets(name: str, attn_module: str = "attn") -> list[tuple[str, str]]:
+    """For a checkpoint tensor name that is a KV-cache scale, [(Attention module path, "k_scale" or
+    "v_scale")], e.g. "layers.3.self_attn.k_proj.output_scale" -> [("layers.3.self_attn.attn",
+    "k_scale")]; [] for any other name. attn_module: the Attention module's name in self_attn."""
+    prefix, sep, rest = name.rpartition(".self_attn.")
+    if not sep or rest not in _KV_SCALE_NAMES:
+        return []
+    return [(f"{prefix}.self_attn.{attn_module}", which) for which in _KV_SCALE_NAMES[rest]]

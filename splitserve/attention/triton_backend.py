@@ -41,11 +41,13 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
-                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
-        rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin)  # one pass
-        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale)
+                cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin, k_scale, v_scale)  # one pass
+        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale)
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has
         # exactly one query token: T == B (both host-known shapes) together with max_query_len == 1.
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:
@@ -53,9 +55,9 @@ class TritonBackend(AttentionBackend):
             # AttentionMetadata, which never fixes the split count.
             num_splits = meta.decode_num_splits if isinstance(meta, TritonMetadata) else None
             return paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
-                                          scale, num_splits=num_splits)
+                                          scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
         return ragged_paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                      meta.max_query_len, meta.max_seq_len, scale)
+                                      meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
 
     # -- metadata ------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
@@ -90,14 +92,15 @@ class TritonBackend(AttentionBackend):
         children must never ask CUDA for the SM count."""
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         launches = [_store_launch(spec, device)]
-        cache = torch.empty(1, 2, spec.block_size, hkv, d, dtype=spec.dtype, device=device)
+        cache = torch.empty(1, 2, spec.block_size, hkv, d, dtype=spec.kv_dtype or spec.dtype, device=device)
+        k_scale, v_scale = _scales(device)
         seen = set()
 
         def add(variant, meta: AttentionMetadata) -> None:
             if variant not in seen:
                 seen.add(variant)
                 q = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=spec.dtype, device=device)
-                launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5))
+                launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale))
 
         for meta in warm_up:
             num_tokens = meta.slot_mapping.shape[0]
@@ -120,8 +123,13 @@ def _store_launch(spec: AttentionKernelSpec, device: torch.device) -> Callable[[
     """The KV store as the model calls it: q, k and v are views of one projection's output."""
     n, hq, hkv, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = torch.empty(n, (hq + 2 * hkv) * d, dtype=spec.dtype, device=device).split([hq * d, hkv * d, hkv * d], -1)
-    cache = torch.empty(1, 2, n, hkv, d, dtype=spec.dtype, device=device)
+    cache = torch.empty(1, 2, n, hkv, d, dtype=spec.kv_dtype or spec.dtype, device=device)
     cos_sin = torch.empty(n, spec.rot_dim, dtype=torch.float32, device=device) if spec.rot_dim else None
     return functools.partial(store_kv, k.view(n, hkv, d), v.view(n, hkv, d), cache,
                              torch.empty(n, dtype=torch.long, device=device), q.view(n, hq, d),
-                             torch.empty(n, dtype=torch.long, device=device), cos_sin)
+                             torch.empty(n, dtype=torch.long, device=device), cos_sin, *_scales(device))
+
+
+def _scales(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for an attention layer's k_scale / v_scale buffers (one fp32 value each)."""
+    return torch.ones(1, dtype=torch.float32, device=device), torch.ones(1, dtype=torch.float32, device=device)

@@ -301,17 +301,32 @@ async def run_requests(cfg: BenchConfig, samples: list[SampleRequest], rng: np.r
     offsets = arrival_offsets(len(samples), cfg.request_rate, cfg.burstiness, rng)
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = tqdm(total=len(samples), disable=cfg.disable_tqdm, unit="req", dynamic_ncols=True)
+    output_tokens = 0
+
+    def progress(result: RequestResult | None) -> None:
+        nonlocal output_tokens
+        if result is not None and result.success:
+            # Tokens by the server's usage where it came, else by stream events (exact counts come
+            # after the run: fill_token_counts).
+            output_tokens += result.output_len if result.usage_reported else len(result.itl) + 1
+        if not bar.disable:
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{output_tokens / elapsed:.1f} output tok/s", refresh=False)
+        bar.update(1)
 
     async def one(sample: SampleRequest) -> RequestResult:
+        result = None
         try:
             if sem is None:
-                return await sender(sample)
-            async with sem:  # TTFT is timed from here, after any wait for a free slot
-                return await sender(sample)
+                result = await sender(sample)
+            else:
+                async with sem:  # TTFT is timed from here, after any wait for a free slot
+                    result = await sender(sample)
         except Exception as e:  # a client bug must show up as a counted failure, not vanish
-            return RequestResult(error=f"client error: {type(e).__name__}: {e}")
+            result = RequestResult(error=f"client error: {type(e).__name__}: {e}")
         finally:
-            bar.update(1)
+            progress(result)
+        return result
 
     start = time.perf_counter()
     tasks = []

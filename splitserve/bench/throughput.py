@@ -17,7 +17,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0, help="prompt seed (use a fresh one per run: no prefix reuse)")
+    # --seed (an engine option) also seeds the prompts: use a fresh one per run (no prefix reuse).
     p.add_argument("--save-result", default=None, help="write the figures as JSON here")
 
 
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**vars(EngineArgs.from_namespace(args)))
     load_s = time.perf_counter() - t0
     vocab = llm.engine.config.model.vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0 if args.seed is None else args.seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)

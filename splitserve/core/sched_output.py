@@ -15,6 +15,10 @@ the batch. When it is scheduled again, `ResumedRequestData` gives its new block 
 freed one) and its new num_computed_tokens (prefix-cache hits at re-admission, else 0); the worker
 recomputes the rest from the tokens it holds.
 
+Structured outputs: when constrained requests sample in a step, `grammar` carries one token bitmask
+row per such request (bit t of a row: token t is allowed), filled by the core from their grammar
+matchers; the worker masks those rows' logits on the device. None in every other step.
+
 The worker applies a message in this order: finished, preempted, new, resumed, block additions; then
 runs `num_scheduled_tokens`. Removals are idempotent (an unknown id is ignored), so a message whose
 step failed to launch can have its removals sent again with the next one.
@@ -22,6 +26,7 @@ step failed to launch can have its removals sent again with the next one.
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from splitserve.multimodal.inputs import ImageItem
 from splitserve.sampling_params import SamplingParams
@@ -51,6 +56,13 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     new_block_ids: list[list[int]] = []
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """Allowed next tokens of the constrained requests that sample this step: row i of `bitmask`
+    ([len(req_ids), ceil(vocab / 32)] int32, bit t % 32 of word t // 32) belongs to req_ids[i]."""
+    req_ids: list[str]
+    bitmask: torch.Tensor
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True):
     step_id: int = 0
     # Tokens each request runs this step, in batch order (dicts keep insertion order, msgpack too).
@@ -61,6 +73,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
     finished_req_ids: list[str] = []   # left for good since the last message
     preempted_req_ids: list[str] = []  # blocks freed since the last message; the worker keeps their state
+    grammar: GrammarBitmask | None = None  # structured outputs: masks of the constrained rows that sample
 
     @property
     def is_empty(self) -> bool:

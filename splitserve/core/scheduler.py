@@ -10,6 +10,11 @@ The scheduler owns the `Request` objects; the worker gets a plain-data `Schedule
 (core/sched_output.py) and keeps its own persistent batch. `update` resolves a step's results against
 the requests that step ran (kept here by step id), never by id lookup alone: an id can be reused by a
 new request once the old one has finished.
+
+Structured outputs: a constrained request is admitted only once its grammar has compiled (one still
+compiling is passed over, and keeps its place in the queue); each token it samples advances its
+grammar matcher, and a grammar that reaches its end ends the request (the manager lives next to the
+scheduler, in the engine core: structured_output/manager.py).
 """
 from __future__ import annotations
 
@@ -25,9 +30,10 @@ __all__ = ["Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, structured=None):
         self.config = config
         self.kv = kv_manager
+        self.structured = structured  # StructuredOutputManager, or None (no constrained requests)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -89,9 +95,13 @@ class Scheduler:
 
         # New work only when nothing had to give way this step.
         now = None
+        compiling: list[Request] = []  # passed over: their grammar is not compiled yet
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.grammar is not None and not self.structured.is_ready(request):
+                compiling.append(self.waiting.popleft())
+                continue
             hits, num_cached = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, n, hits):
@@ -115,6 +125,7 @@ class Scheduler:
                     request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                     num_cached, request.eos_token_ids, request.mm_items))
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
@@ -132,6 +143,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._preempted_ids.append(request.request_id)
+
+    @staticmethod
+    def samples_after(request: Request, num_tokens: int) -> bool:
+        """Whether a request scheduled for num_tokens samples in that step (asked before `advance`)."""
+        return request.num_computed_tokens + num_tokens == request.num_tokens
 
     @staticmethod
     def _at_length_limit(request: Request) -> bool:
@@ -165,7 +181,10 @@ class Scheduler:
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
-                self._check_stop(request, token)
+                if request.grammar is not None and self.structured.accept_token(request, token):
+                    request.status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                else:
+                    self._check_stop(request, token)
                 updated.append(request)
             if holds_blocks:  # also when this token ended it: its prompt blocks serve later requests
                 self.kv.cache_full_blocks(request)
@@ -228,6 +247,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        if request.grammar is not None:
+            self.structured.release(request)
         if request.in_worker:
             self._finished_ids.append(request.request_id)
             request.in_worker = False

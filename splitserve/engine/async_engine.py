@@ -141,6 +141,8 @@ class AsyncLLMEngine:
         self.on_output = on_output
         # Called on the loop thread once if the core dies without saying why (the server exits).
         self.on_core_lost: Callable[[], None] | None = None
+        # Called on the loop thread with the token count of each engine step (for metrics).
+        self.on_step_tokens: Callable[[list[int]], None] | None = None
         self._placement = placement
         self._to_core = Codec(FrontToCore)
         self._send_lock = threading.Lock()
@@ -386,6 +388,11 @@ class AsyncLLMEngine:
     # -- loop-thread side -------------------------------------------------------------------------
     def _on_core_outputs(self, msg: EngineCoreOutputs) -> None:
         self.stats = msg.stats
+        if msg.step_tokens and self.on_step_tokens is not None:
+            try:
+                self.on_step_tokens(msg.step_tokens)
+            except Exception:  # metrics must never break serving
+                logger.exception("step observer failed")
         if msg.outputs:
             outputs, drop = self.front.output_processor.process(msg.outputs, msg.timestamp)
             for reason, ids in drop.items():

@@ -11,25 +11,32 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                               resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
 from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
+from splitserve.models.generation_config import sampling_defaults
+from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
-from splitserve.models.resolve import ModelSource, resolve_model
+from splitserve.models.resolve import ModelSource, load_tokenizer, resolve_model
 from splitserve.request import Request, RequestStatus
 from splitserve.startup.bytecode import start_bytecode_warmup
 from splitserve.startup.kernel_precompile import start_attention_precompile
+from splitserve.structured_output.manager import StructuredOutputManager
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# How long a step that can schedule nothing waits for a grammar compile before it returns.
+_COMPILE_WAIT_S = 0.005
 
 # A step failure fails that step's requests; this many in a row with no good step between them means
 # the device or model is broken for good (a lost GPU fails every step), and the engine gives up.
@@ -37,6 +44,17 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 
 _FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED,
                   "error": RequestStatus.FINISHED_ERROR}
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds what unseeded sampling draws from (torch's generators, CUDA's included) and Python's and
+    numpy's, as vLLM's --seed does."""
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
 
 
 class EngineDeadError(RuntimeError):
@@ -49,13 +67,31 @@ class ModelSpec:
     source: ModelSource
     config: EngineConfig
     model_name: str
+    # Every name clients may send (model_name is the first); where the tokenizer comes from; the
+    # sampling defaults of the model's generation config (models/generation_config.py).
+    served_model_names: tuple[str, ...] = ()
+    tokenizer_source: ModelSource | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is visible to torch (torch {torch.__version__}"
+                         f"{', built without CUDA' if torch.version.cuda is None else ''}); use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"--device must be cuda, cuda:N or cpu, got {device!r}")
 
 
 def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_device(device)
     source = resolve_model(args.model)
+    tokenizer_source = resolve_model(args.tokenizer) if args.tokenizer else None
+    defaults = sampling_defaults(args.generation_config, source.directory, bool(source.gguf_file),
+                                 args.override_generation_config)
     hf_config = load_hf_config(source)
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     if args.max_model_len is not None and args.max_model_len > context:
         raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
@@ -65,19 +101,42 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     arch, _ = get_model_class(hf_config.architectures)
     backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
     config = EngineConfig(
-        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos))),
+        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos)),
+                          quant_config),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
-                          args.cpu_kv_cache_gib, args.enable_prefix_caching),
+                          args.cpu_kv_cache_gib, args.enable_prefix_caching, args.kv_cache_dtype),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
-    return ModelSpec(source, config, args.served_model_name or source.name)
+    names = tuple(args.served_model_name or (source.name,))
+    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults)
+
+
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """FP8 e4m3 in Triton kernels ("fp8e4nv") needs Ada/Hopper or newer: say so at start-up rather
+    than fail in a kernel compile."""
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
+    if (kv_dtype == torch.float8_e4m3fn and config.device.startswith("cuda") and config.attention_backend == "triton"
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(config.device) < (8, 9)):
+        raise ValueError("kv_cache_dtype fp8 with the triton attention backend needs a GPU of compute capability "
+                         "8.9 or newer (Ada, Hopper); use kv_cache_dtype auto")
+
+
+def _core_tokenizer(spec: ModelSpec, random_weights: bool):
+    """The tokenizer, for xgrammar's view of the vocabulary (the front's choice, made the same way)."""
+    try:
+        return load_tokenizer(spec.source)
+    except (OSError, ValueError):
+        if not random_weights:
+            raise
+        return load_tokenizer(None)
 
 
 class EngineCore:
     def __init__(self, args: EngineArgs, spec: ModelSpec | None = None):
         spec = spec or resolve_model_spec(args)
         config = spec.config
+        _check_kv_cache_dtype(config)  # here, not in resolve_model_spec: the front must not touch CUDA
         self.config = config
         device, m = config.device, config.model
         compiles = device.startswith("cuda") and not args.enforce_eager
@@ -88,10 +147,11 @@ class EngineCore:
         if compiles:  # None for a backend that compiles no kernels on first launch
             precompile = start_attention_precompile(
                 m.hf_config, m.dtype, args.block_size, args.max_num_batched_tokens, m.max_model_len,
-                config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend)
+                config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend,
+                kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype))
         try:
             t0 = time.perf_counter()
-            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights)
+            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
             self.runner = ModelRunner(config, model)
             self.num_blocks = self.runner.determine_num_blocks()
@@ -105,24 +165,35 @@ class EngineCore:
         install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.model = model
         self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
+        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
+                                                  lambda: _core_tokenizer(spec, args.random_weights))
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
         self.num_received = 0
+        self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
         # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
         # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
         # them out of the collector's view (what start-up left as garbage stays: a little memory).
         gc.freeze()
-        logger.info("engine core ready: %s on %s, %s, backend %s", m.architecture, device, m.dtype,
-                    config.attention_backend)
+        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
+            seed_everything(args.seed)
+        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
+                    device, m.dtype, config.attention_backend, str(self.runner.kv_cache_dtype).removeprefix("torch."),
+                    m.quantization or "none")
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self.num_received += 1
-        self.scheduler.add_request(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                           req.eos_token_ids, req.max_total_tokens, req.arrival_time,
-                                           mm_items=req.mm_items))
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
+                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items)
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params.structured_outputs is not None:
+            self.structured.register(request)  # its grammar compiles meanwhile; admitted when ready
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
         """Ends sequences wherever they are and frees their blocks; unknown ids are ignored. The front
@@ -165,8 +236,14 @@ class EngineCore:
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
             outputs += self._process(inflight)
             inflight = None
+        if self.structured.live:
+            outputs += self._fail_grammars()
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.total_num_scheduled_tokens
         if not sched.is_empty:
+            # Masks of the constrained requests that sample: their matchers have seen every token
+            # (a step where they sampled is collected before this one is scheduled).
+            sched.grammar = self.structured.step_bitmask(sched, self.scheduler.samples_after)
             try:
                 launched = self.runner.launch(sched, inflight)
             except Exception as exc:
@@ -177,12 +254,24 @@ class EngineCore:
                 self._inflight = launched
         elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
             self.runner.update_states(sched)
+        if sched.is_empty and inflight is None and self._inflight is None and self.structured.live:
+            self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar
         if inflight is not None:
             outputs += self._process(inflight)
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
         self._flush_removals()
+        return outputs
+
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        """Ends the requests whose grammar failed to compile (the front checks grammars, so this is
+        rare: a tokenizer that cannot be loaded, say)."""
+        outputs = []
+        for request, reason in self.structured.take_failed():
+            logger.error("request %s: %s", request.request_id, reason)
+            if self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason))
         return outputs
 
     def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:
@@ -210,6 +299,8 @@ class EngineCore:
             out = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
                                    None if lp is None else [lp], request.status.finish_reason,
                                    request.stop_reason, request.num_cached_tokens)
+            if lp is not None:
+                out.new_logprob_ranks = [result.logprob_ranks.get(request.request_id, 0)]
             if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
                 out.queue_time = request.first_scheduled_time - request.arrival_time
             outputs.append(out)

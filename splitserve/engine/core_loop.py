@@ -50,11 +50,13 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
     poller.register(inp, zmq.POLLIN)
     last_stats = None
     backoff = False
+    step_tokens: list[int] = []  # of the steps launched since the last message (for the metrics)
 
     def send(outputs: list[EngineCoreOutput], stats: SchedulerStats, dead: str | None = None) -> None:
-        nonlocal last_stats
-        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead)), copy=False)
-        last_stats = stats
+        nonlocal last_stats, step_tokens
+        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead, step_tokens)),
+                 copy=False)
+        last_stats, step_tokens = stats, []
 
     while True:
         busy = core.has_unfinished_requests()
@@ -84,6 +86,8 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
             started = time.monotonic()
             try:
                 outputs = core.step()
+                if getattr(core, "last_step_tokens", 0):  # (test doubles of the core may lack it)
+                    step_tokens.append(core.last_step_tokens)
             except EngineDeadError as e:
                 logger.exception("the engine core cannot go on")
                 ids = list(core.scheduler.requests)

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
+    if spec.tokenizer_source is not None:  # --tokenizer
+        return load_tokenizer(spec.tokenizer_source)
     try:
         return load_tokenizer(spec.source)
     except (OSError, ValueError):
@@ -53,6 +55,12 @@ class EngineFront:
                  stream_interval: int = 1):
         self.source = spec.source
         self.model_name = spec.model_name
+        self.served_model_names = spec.served_model_names or (spec.model_name,)
+        # SamplingParams fields a request that leaves them unset takes (the generation config's).
+        self.sampling_defaults = dict(spec.sampling_defaults)
+        if self.sampling_defaults:
+            logger.info("requests default to the model's generation config: %s (--generation-config vllm "
+                        "turns this off)", ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.tokenizer = tokenizer
         eos = set(spec.config.model.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -90,6 +98,7 @@ class EngineFront:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        self._validate_token_params(params, vocab)
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"tokens exceeds the model's context of {limit} tokens")
@@ -100,6 +109,28 @@ class EngineFront:
                              f"{self.kv_capacity_tokens} tokens")
         return min(total, self.kv_capacity_tokens)
 
+    @staticmethod
+    def _validate_token_params(params: SamplingParams, vocab: int) -> None:
+        """Token ids the model cannot produce, and grammars that cannot compile, are the caller's error."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.structured_outputs is not None:
+            from splitserve.structured_output.grammar import check_structured_outputs
+            check_structured_outputs(params.structured_outputs)  # cached by schema: a repeat costs nothing
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, both as it stands and after a space (a word starts a text or
+        follows a space: the tokens differ), without duplicates."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
     def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True) -> tuple[str, list[EngineCoreRequest]]:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
@@ -108,6 +139,8 @@ class EngineFront:
         vocab = self.config.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
             params = dataclasses.replace(params, stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
+        if params.bad_words:
+            params = dataclasses.replace(params, _bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")

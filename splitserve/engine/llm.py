@@ -1,6 +1,12 @@
-"""Offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+"""Offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`.
+
+As in vLLM: without sampling params, requests take the model's generation-config defaults
+(`get_default_sampling_params`); logprobs come as `{token_id: Logprob}` with `.logprob`, `.rank` and
+`.decoded_token` (a Logprob is also the float itself).
+"""
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -17,8 +23,22 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         """`kwargs` are EngineArgs fields (the CLI's engine flags, with underscores); any other
         keyword is a TypeError that lists the valid ones."""
+        from splitserve.entrypoints.vllm_flags import find_unsupported_keywords
+        unsupported = find_unsupported_keywords(kwargs, EngineArgs.__dataclass_fields__)
+        if unsupported:
+            raise TypeError(f"LLM(): {', '.join(unsupported)} {'is a vLLM option' if len(unsupported) == 1 else 'are vLLM options'} "
+                            f"splitserve does not support")
         self.engine = LLMEngine(EngineArgs.from_kwargs("LLM()", model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer requests are encoded with (its chat template included)."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling params runs with: the model's generation-config defaults
+        (temperature, top_p, ...; `generation_config="vllm"` leaves SamplingParams' own)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -29,7 +49,7 @@ class LLM:
             prompts = [prompts]
         prompts = [self._unwrap(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -42,18 +62,36 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             tools: list[dict] | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """`chat_template`: a Jinja template (text) to use instead of the tokenizer's. `tools`: OpenAI
+        tool definitions, given to the template (which decides how the model sees them); the calls are
+        not parsed out of the answers here."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if chat_template is not None:
+            template_kwargs["chat_template"] = chat_template
+        if tools:
+            template_kwargs["tools"] = tools
         from splitserve.multimodal.processor import offline_chat_prompt  # handles image content parts
         prompts = [offline_chat_prompt(self, c, add_generation_prompt, **template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self.tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, **kwargs)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _decode_logprobs(self, out: RequestOutput) -> None:
+        """Fills each Logprob's decoded_token (the token's own text, special tokens included)."""
+        cache: dict[int, str] = {}
+        for o in out.outputs:
+            for entry in o.logprobs or ():
+                for token, lp in entry.items():
+                    if token not in cache:
+                        cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+                    lp.decoded_token = cache[token]
 
     def _unwrap(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, dict):
@@ -67,12 +105,20 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+        start, tokens_in, tokens_out = time.perf_counter(), 0, 0
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out
+                        self._decode_logprobs(out)
+                        tokens_in += len(out.prompt_token_ids)
+                        tokens_out += sum(len(o.token_ids) for o in out.outputs)
+                        if not bar.disable:
+                            elapsed = max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"input {tokens_in / elapsed:.1f} tok/s, "
+                                                f"output {tokens_out / elapsed:.1f} tok/s", refresh=False)
                         bar.update(1)
         finally:
             bar.close()

@@ -46,6 +46,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokenizer = tokenizer_future.result()  # re-raises the thread's error, if any
         logger.info("waited %.1f s for the tokenizer", time.perf_counter() - t0)
+        self.core.structured.set_tokenizer(tokenizer)  # the core in this process need not load its own
         self.front = EngineFront(spec, tokenizer, self.core.num_blocks, args.block_size,
                                  build_front_mm_processor(spec, tokenizer, self.core.model), stream_interval)
         logger.info("engine ready: %s", self.model_name)
@@ -62,6 +63,14 @@ class LLMEngine:
     @property
     def model_name(self) -> str:
         return self.front.model_name
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.front.served_model_names
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.front.sampling_defaults
 
     @property
     def source(self):

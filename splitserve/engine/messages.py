@@ -50,6 +50,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
     queue_time: float | None = None    # seconds from arrival to first scheduling (first output only)
+    new_logprob_ranks: list[int] | None = None  # per new token with logprobs: its rank (1: the likeliest)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -67,6 +68,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):
     stats: SchedulerStats
     timestamp: float                 # time.monotonic() when the step's tokens were known
     dead: str | None = None          # the core cannot go on: why (the last message it sends)
+    # Tokens run by each step launched since the previous message (one entry a step, usually one).
+    step_tokens: list[int] = []
 
 
 class CoreReady(msgspec.Struct, array_like=True, tag=True):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitserve.logprobs import Logprob, ranked
 from splitserve.sampling_params import SamplingParams
 
 try:
@@ -56,11 +57,11 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     # What is new since the previous output of this request (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[dict[int, float]] | None = None
+    delta_logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -91,7 +92,7 @@ class _ChildState:
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
@@ -128,13 +129,14 @@ class RequestState:
         return all(c.finished for c in self.children)
 
     def add_tokens(self, child: _ChildState, token_ids: list[int], logprobs, finish_reason: str | None,
-                   stop_reason) -> str | None:
+                   stop_reason, logprob_ranks: list[int] | None = None) -> str | None:
         """Appends a child's new tokens and detokenizes them; returns the stop string they completed,
         if any (the child then ends with finish reason "stop")."""
         params = child.params
         child.token_ids += token_ids
         if child.logprobs is not None and logprobs:
-            child.logprobs += logprobs
+            ranks = logprob_ranks or [None] * len(logprobs)
+            child.logprobs += [ranked(entry, rank) for entry, rank in zip(logprobs, ranks)]
         if finish_reason is not None:
             child.finish_reason, child.stop_reason = finish_reason, stop_reason
         num_out = len(child.token_ids)
@@ -239,7 +241,8 @@ class OutputProcessor:
                 state.num_cached_tokens = o.num_cached_tokens
             if o.queue_time is not None and state.queue_time is None:
                 state.queue_time = o.queue_time
-            stop = state.add_tokens(child, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason)
+            stop = state.add_tokens(child, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
+                                    o.new_logprob_ranks)
             if stop is not None and o.finish_reason is None:
                 drop.setdefault("stop", []).append(child.request_id)
             if o.finish_reason == "error":  # one failed sample fails the request

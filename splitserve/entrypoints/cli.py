@@ -9,11 +9,12 @@ from splitserve.engine_args import EngineArgs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    # --seed is an engine option (EngineArgs.seed); the requests use it too.
+    g = p.add_argument_group("sampling options")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: off (default: 0)")
 
 
 def sampling_params_from(args: argparse.Namespace):
@@ -43,42 +44,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from splitserve.engine.llm import LLM
+    from splitserve.entrypoints.terminal_chat import chat_loop
     llm = LLM(**vars(EngineArgs.from_namespace(args)))
-    params = sampling_params_from(args)
-    history: list[dict] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    print("splitserve chat — empty line or /exit to quit, /clear to reset the conversation", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if line.strip() in ("", "/exit", "/quit"):
-            break
-        if line.strip() == "/clear":
-            history = history[:1] if args.system else []
-            continue
-        history.append({"role": "user", "content": line})
-        engine = llm.engine
-        rid = engine.add_request(None, llm.apply_chat_template(history), params)
-        reply = ""
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid:
-                    piece = out.outputs[0].delta_text
-                    reply += piece
-                    print(piece, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": reply})
-    return 0
+    return chat_loop(llm, sampling_params_from(args), args.system)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from splitserve import __version__
     parser = argparse.ArgumentParser(prog="splitserve", description="Serve LLMs and VLMs, fast.")
+    parser.add_argument("--version", action="version", version=f"splitserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--version", action="version", version=f"splitserve {__version__}")
     # The options only: the web stack is imported when the server runs, not to parse or print --help.
     from splitserve.entrypoints.openai.server_args import ServerArgs
     from splitserve.multimodal.media import MediaArgs
@@ -91,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (default: off)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     EngineArgs.add_cli_args(chat)
     add_sampling_args(chat)
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -110,7 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    # httpx logs every request at INFO (the bench client sends thousands).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    from splitserve.entrypoints.vllm_flags import find_unsupported, leaf_parser, message
+    unsupported = find_unsupported(parser, argv)
+    if unsupported is not None:  # one line, not argparse's usage dump
+        print(f"{leaf_parser(parser, argv).prog}: error: {message(unsupported)}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

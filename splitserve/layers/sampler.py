@@ -1,4 +1,5 @@
-"""Batched sampling on the device: penalties, min_tokens, temperature, top-k/top-p/min-p, logprobs.
+"""Batched sampling on the device: penalties, logit changes by request (allowed tokens, logit_bias,
+min_tokens and bad-word bans, grammar bitmasks), temperature, top-k/top-p/min-p, logprobs.
 
 Sampling draws the token as argmax(probs / q) with q ~ Exp(1) per vocabulary entry (the exponential
 race, equivalent to sampling from probs). A seeded request draws its q from its own generator, so its
@@ -23,8 +24,9 @@ class SamplerOutput:
     token_ids: torch.Tensor                  # [B] int64
     logprobs: torch.Tensor | None = None     # [B, 1 + k]: sampled token's logprob, then the top k
     logprob_ids: torch.Tensor | None = None  # [B, 1 + k] the matching token ids
-    # Penalties read a request's previous tokens on the host: the next step cannot be launched
-    # before these tokens are known there.
+    logprob_ranks: torch.Tensor | None = None  # [B] the sampled token's rank by logprob (1: the likeliest)
+    # Penalties, bad words and grammars read a request's previous tokens on the host: the next step
+    # cannot be launched before these tokens are known there.
     needs_host_tokens: bool = False
 
 
@@ -43,6 +45,31 @@ def _to_device(values, device: torch.device, dtype=None) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+# Bits of each byte value, to unpack a bitmask one byte at a time: [256, 8] bool.
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets logits[rows[i], t] to -inf where bit t % 32 of bitmask[i, t // 32] is clear, for all rows
+    at once (xgrammar's layout). Tokens past the bitmask's width (a vocabulary padded beyond it) are
+    not allowed. The int32 words are read as little-endian bytes, so token t is bit t % 8 of byte
+    t // 8 (x86 and CUDA are little-endian)."""
+    device = logits.device
+    table = _BYTE_BITS.get(device)
+    if table is None:
+        table = _BYTE_BITS[device] = ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device))
+                                      & 1).bool()
+    num_rows, vocab = len(rows), logits.shape[1]
+    banned = ~table[bitmask.contiguous().view(torch.uint8).long()].view(num_rows, -1)
+    if banned.shape[1] >= vocab:
+        banned = banned[:, :vocab]
+    else:
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
+    sub = logits[rows]
+    sub.masked_fill_(banned, float("-inf"))
+    logits[rows] = sub
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         device = logits.device
@@ -57,17 +84,25 @@ class Sampler:
 
         if needs_penalties:
             logits = self._apply_penalties(logits, meta.penalties)
-        self._mask_min_tokens(logits, meta.min_tokens_bans)
+        if meta.allowed_rows is not None:
+            self._keep_allowed(logits, meta)
+        if meta.bias_rows is not None:
+            logits.index_put_((_to_device(meta.bias_rows, device), _to_device(meta.bias_token_ids, device)),
+                              _to_device(meta.bias_values, device).to(logits.dtype), accumulate=True)
+        if meta.grammar_rows is not None:
+            apply_token_bitmask(logits, _to_device(meta.grammar_rows, device),
+                                _to_device(meta.grammar_bitmask.numpy(), device))
 
         tokens = logits.argmax(dim=-1)
         if not meta.all_greedy:
             sampled = self._sample(logits, meta)
             tokens = torch.where(_to_device(meta.greedy, device), tokens, sampled)
 
-        out = SamplerOutput(tokens, needs_host_tokens=needs_penalties)
+        out = SamplerOutput(tokens, needs_host_tokens=meta.needs_host_tokens)
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, tokens[:, None])
             ids = tokens[:, None]
+            out.logprob_ranks = (raw_logprobs > chosen).sum(1) + 1
             if num_top > 0:
                 top_vals, top_ids = raw_logprobs.topk(num_top, dim=-1)
                 chosen, ids = torch.cat([chosen, top_vals], 1), torch.cat([ids, top_ids], 1)
@@ -93,11 +128,15 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _mask_min_tokens(logits: torch.Tensor, bans) -> None:
-        for i, banned in bans:
-            banned = [t for t in banned if t < logits.shape[1]]
-            if banned:
-                logits[i, banned] = float("-inf")
+    def _keep_allowed(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """Rows with allowed_token_ids keep only those tokens' logits."""
+        device = logits.device
+        rows = np.unique(meta.allowed_rows)
+        local = np.searchsorted(rows, meta.allowed_rows)  # each pair's row among the restricted rows
+        keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=device)
+        keep[_to_device(local, device), _to_device(meta.allowed_token_ids, device)] = True
+        rows_t = _to_device(rows, device)
+        logits[rows_t] = logits[rows_t].masked_fill(~keep, float("-inf"))
 
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

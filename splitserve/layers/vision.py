@@ -9,6 +9,8 @@ Parameter names follow the Hugging Face checkpoints (`embeddings.*`, `pre_layrno
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,24 +128,32 @@ class VisionTower(nn.Module):
         return feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
 
     _STACKED = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+    # Parts of HF vision checkpoints this tower never runs: the post-norm and pooling head after
+    # the last layer, and the position-id buffer older checkpoints saved.
+    _UNUSED = re.compile(r"^(post_layernorm|head)\.|^embeddings\.position_ids$")
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
         """Loads one HF-named tensor (prefix `vision_model.` optional); returns the parameter name
-        filled, or None for weights this tower does not use (post-norm, pooling head, later layers)."""
+        filled, or None for weights this tower deliberately does not use (post-norm, pooling head,
+        layers past the deepest feature layer). Any other name is an error."""
         if name.startswith("vision_model."):
             name = name[len("vision_model."):]
+        layer = re.match(r"encoder\.layers\.(\d+)\.", name)
+        if self._UNUSED.search(name) or (layer and int(layer.group(1)) >= len(self.encoder.layers)):
+            return None
         module_name, _, param_name = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
         if leaf in self._STACKED:
             target = f"{parent}.qkv_proj"
             module = dict(self.named_modules()).get(target)
             if module is None:
-                return None
+                raise ValueError(f"vision tower tensor {name!r} matches no layer")
             module.load(param_name, tensor, self._STACKED[leaf])
             return f"{target}.{param_name}"
         param = dict(self.named_parameters()).get(name)
         if param is None:
-            return None
+            raise ValueError(f"vision tower tensor {name!r} matches no parameter (the vision tower is not "
+                             f"quantized)")
         if param.shape != tensor.shape:
             raise ValueError(f"vision tower {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
         param.data.copy_(tensor)

@@ -10,22 +10,27 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from splitserve.attention.layer import Attention
+from splitserve.attention.layer import Attention, kv_scale_targets
 from splitserve.layers.activation import silu_and_mul
-from splitserve.layers.linear import Linear, MergedLinear, linear
+from splitserve.layers.cpu_gemm import linear
+from splitserve.layers.linear import Linear, MergedLinear
+from splitserve.layers.quantization.base import QuantConfig, method_for
 from splitserve.layers.norm import RMSNorm
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, bias: bool, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int, bias: bool, rotary: RotaryEmbedding,
+                 quant_config: QuantConfig | None = None, prefix: str = "self_attn"):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False) and bias)
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias,
+                                     method=method_for(quant_config, *(f"{prefix}.{p}_proj" for p in "qkv")))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False) and bias,
+                             method=method_for(quant_config, f"{prefix}.o_proj"))
         # The rotary table (one for all layers) goes to the attention op, which rotates q and k
         # where it stores the cache (one pass over them instead of two).
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
@@ -37,12 +42,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, quant_config: QuantConfig | None = None, prefix: str = "mlp"):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": config.intermediate_size,
-                                                              "up": config.intermediate_size}, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+                                                              "up": config.intermediate_size}, bias=bias,
+                                         method=method_for(quant_config, f"{prefix}.gate_proj", f"{prefix}.up_proj"))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias,
+                                method=method_for(quant_config, f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -55,10 +62,11 @@ def start_residual(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, rotary: RotaryEmbedding,
+                 quant_config: QuantConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, rotary)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, rotary, quant_config, f"{prefix}self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -84,19 +92,24 @@ class LlamaForCausalLM(nn.Module):
     # Qwen2 checkpoints always carry q/k/v biases; Llama ones only with attention_bias=true.
     qkv_bias_default = False
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config: QuantConfig | None = None, prefix: str = "model",
+                 head_name: str = "lm_head"):
+        """`prefix` / `head_name`: the checkpoint's module names of the decoder and the LM head, by
+        which a quantization config picks each layer's method (VLMs nest the decoder deeper)."""
         super().__init__()
         self.config = config
+        self.quant_config = quant_config
         qkv_bias = getattr(config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, rotary, quant_config, f"{prefix}.layers.{i}.")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, method=method_for(quant_config, head_name))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -114,6 +127,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits in the model's dtype (into `out` when given). The sampler converts to fp32 only what
         needs it: a greedy batch takes the argmax of these directly (exact, as the conversion is)."""
+        if self.lm_head is not None and self.lm_head.is_quantized:  # a format that quantizes the head
+            logits = self.lm_head(hidden)
+            return logits if out is None else out.copy_(logits)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
             return linear(hidden, weight)
@@ -124,23 +140,42 @@ class LlamaForCausalLM(nn.Module):
                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads HF-named tensors; returns the names of parameters that were filled."""
+        """Loads HF-named tensors; returns the names of parameters that were filled. A tensor that
+        no parameter takes is an error naming it: a silently dropped tensor is a wrong model."""
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("model."):
-                name = name[len("model."):]
+        for full_name, tensor in weights:
+            name = full_name[len("model."):] if full_name.startswith("model.") else full_name
+            # Deliberately unused: rotary tables (recomputed), a tied head's copy of the embedding,
+            # and what the quantization format says the engine does not use. KV-cache scales go to the
+            # attention layers (used when the KV cache is FP8).
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name.startswith("lm_head.") and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            kv_scales = kv_scale_targets(name)
+            if kv_scales:  # FP8 KV-cache scales: buffers of the attention layer, not parameters
+                for attn, which in kv_scales:
+                    if not isinstance(modules.get(attn), Attention):
+                        raise ValueError(f"{name}: the model has no attention layer {attn} for this KV-cache scale")
+                    modules[attn].load_kv_scale(which, tensor)
+                continue
+            if self.quant_config is not None and self.quant_config.skip_tensor(full_name):
+                continue
             module_name, _, param_name = name.rpartition(".")
             parent, _, leaf = module_name.rpartition(".")
             if leaf in self._STACKED:
                 merged, shard = self._STACKED[leaf]
                 target = f"{parent}.{merged}"
-                modules[target].load(param_name, tensor, shard)
+            else:
+                target, shard = module_name, None
+            module = modules.get(target)
+            if isinstance(module, Linear):
+                try:
+                    module.load(param_name, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {full_name!r}: {e}") from None
                 loaded.add(f"{target}.{param_name}")
             elif name in params:
                 param = params[name]
@@ -148,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
                 param.data.copy_(tensor)
                 loaded.add(name)
+            else:
+                raise ValueError(f"checkpoint tensor {full_name!r} matches no parameter of the model "
+                                 f"({type(self).__name__}); refusing to drop it silently")
         return loaded
 
 

@@ -17,8 +17,12 @@ from splitserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from splitserve.multimodal.processor import to_device_pixels
 
 
-def build_language_model(text_config) -> LlamaForCausalLM:
-    return Qwen2ForCausalLM(text_config) if text_config.model_type == "qwen2" else LlamaForCausalLM(text_config)
+def build_language_model(text_config, quant_config=None, prefix: str = "model.language_model",
+                         head_name: str = "lm_head") -> LlamaForCausalLM:
+    """The decoder; a quantization config applies to it alone (the vision tower and projector stay
+    in the model's dtype)."""
+    cls = Qwen2ForCausalLM if text_config.model_type == "qwen2" else LlamaForCausalLM
+    return cls(text_config, quant_config, prefix, head_name)
 
 
 class VisionLanguageModel(nn.Module):
@@ -50,10 +54,10 @@ class VisionLanguageModel(nn.Module):
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
-        self.language_model = build_language_model(config.text_config)
+        self.language_model = build_language_model(config.text_config, quant_config)
         self.vision_tower = VisionTower(config.vision_config, config.vision_feature_layer)
         layers = config.vision_feature_layer
         in_dim = config.vision_config.hidden_size * (1 if isinstance(layers, int) else len(layers))
@@ -106,6 +110,8 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
                     params[name].data.copy_(tensor)
                     loaded.add(name)
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
 
         loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
         return loaded
@@ -116,8 +122,8 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     downscaled base tile; grid features are stitched back into one map, the padding the processor
     added is cut off, and a learned newline vector ends every row."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, quant_config=None):
+        super().__init__(config, quant_config)
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size), requires_grad=False)
         self.tile_size = config.vision_config.image_size
         self.side = config.vision_config.image_size // config.vision_config.patch_size

@@ -3,18 +3,24 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from typing import Iterator
 
 import torch
 
+from splitserve.layers.linear import Linear, process_weights_after_loading
+from splitserve.layers.quantization.base import QuantConfig
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource
 from splitserve.models.safetensors_io import iter_safetensors
 from splitserve.models.text_config import ARCH_BY_MODEL_TYPE, read_text_config, text_config_from_dict
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}  # vLLM's (and torch's) spellings
 
 
 @functools.lru_cache(maxsize=2)
@@ -89,7 +95,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: str) -> torch.dty
         return dtype
     if dtype != "auto":
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+            raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, got {dtype!r}")
         return _DTYPES[dtype]
     if device == "cpu":
         return torch.float32  # CPU half-precision matmuls are slow and lossy
@@ -143,37 +149,49 @@ def iter_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_random_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights for performance runs of full-size configs (no checkpoint needed): N(0, 0.02)
-    drawn where the weights live (8B values on the GPU take milliseconds; on the host, seconds)."""
+    drawn where the weights live (8B values on the GPU take milliseconds; on the host, seconds).
+    Quantized layers fill their own storage and scales (their method's `init_random`)."""
     gen = None
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
             continue
+        if not param.dtype.is_floating_point or param.element_size() < 2:
+            continue  # int8 / fp8 storage: its method draws it below
         if gen is None:
             gen = torch.Generator(device=param.device).manual_seed(seed)
         param.data.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.is_quantized:
+            if gen is None:
+                gen = torch.Generator(device=module.weight.device).manual_seed(seed)
+            module.method.init_random(module, gen)
 
 
-def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, random_weights: bool = False):
+def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, random_weights: bool = False,
+               quant_config: QuantConfig | None = None):
     arch, cls = get_model_class(hf_config.architectures)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config)
+            model = cls(hf_config, quant_config)
     finally:
         torch.set_default_dtype(prev)
     model.eval()
     if random_weights:
         init_random_weights(model)
-        return arch, model
-    # A family with its own layout (VILA's part folders) says how to read it.
-    reader = getattr(cls, "iter_weights", iter_safetensors)
-    weights = iter_gguf(source.path, hf_config) if source.gguf_file else reader(source.directory)
-    loaded = model.load_weights(weights)
-    missing = {n for n, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"checkpoint {source.path} is missing weights: {sorted(missing)[:8]}")
+    else:
+        # A family with its own layout (VILA's part folders) says how to read it.
+        reader = getattr(cls, "iter_weights", iter_safetensors)
+        weights = iter_gguf(source.path, hf_config) if source.gguf_file else reader(source.directory)
+        loaded = model.load_weights(weights)
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {source.path} is missing weights: {sorted(missing)[:8]}")
+    process_weights_after_loading(model)
+    if quant_config is not None:
+        logger.info("quantization: %s", quant_config.describe())
     return arch, model
 
 

@@ -62,7 +62,7 @@ def resolve_model(model: str | None) -> ModelSource:
         except Exception:
             raise FileNotFoundError(
                 f"model {model!r} is not a local path and is not in the Hugging Face cache; nothing is "
-                f"downloaded at run time. Download it first: `huggingface-cli download {model}`") from None
+                f"downloaded at run time. Download it first: `hf download {model}`") from None
     raise FileNotFoundError(f"model path {model!r} does not exist")
 
 

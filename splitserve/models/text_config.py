@@ -33,8 +33,10 @@ def text_config_from_dict(cfg: dict) -> TextConfig | None:
         return None
     if "rope_theta" not in cfg and "rope_parameters" not in cfg:
         return None
-    if "quantization_config" in cfg or "text_config" in cfg:
+    if "text_config" in cfg:
         return None
+    # A `quantization_config` stays the plain dict it is in the file (transformers keeps it so
+    # too); layers/quantization/config.py reads it.
     c = dict(cfg)
     c.setdefault("architectures", [ARCH_BY_MODEL_TYPE[model_type]])
     if c.get("num_key_value_heads") is None:

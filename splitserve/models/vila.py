@@ -69,10 +69,10 @@ class VilaForConditionalGeneration(VisionLanguageModel):
     image_processor_subfolder = "vision_tower"
     iter_weights = staticmethod(iter_vila_weights)
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
-        self.language_model = build_language_model(config)
+        self.language_model = build_language_model(config, quant_config, "llm.model", "llm.lm_head")
         self.vision_tower = VisionTower(config.vision_config, config.mm_vision_select_layer)
         if config.mm_projector_type != "mlp_downsample":
             raise ValueError(f"VILA projector {config.mm_projector_type!r} is not supported (mlp_downsample is)")
@@ -112,6 +112,8 @@ class VilaForConditionalGeneration(VisionLanguageModel):
                                          f"{tuple(projector[rest].shape)}")
                     projector[rest].data.copy_(tensor)
                     loaded.add(f"mm_projector.{rest}")
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
 
         loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
         return loaded

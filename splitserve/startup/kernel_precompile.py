@@ -134,10 +134,11 @@ class AttentionPrecompile:
 
 
 def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, budget: int, max_model_len: int,
-                               batch_sizes: list[int], backend: str = "triton") -> AttentionPrecompile | None:
+                               batch_sizes: list[int], backend: str = "triton",
+                               kv_dtype: torch.dtype | None = None) -> AttentionPrecompile | None:
     """Starts the children for a CUDA engine with compiled graphs; None when the backend compiles no
     kernels on first launch, or the config's attention shape is not readable here (the parent then
-    compiles as before)."""
+    compiles as before). kv_dtype: the KV cache's dtype (None: dtype)."""
     from splitserve.layers.rotary import rope_parameters
     if not get_backend(backend).jit_kernels:
         return None
@@ -154,7 +155,7 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     # give it to the backend's launch heuristics instead of asking CUDA.
     num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     spec = AttentionKernelSpec(backend, num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
-                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim)
+                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim, kv_dtype)
     try:
         return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
     except (OSError, ValueError) as exc:  # no fork on this platform, or no processes left to start

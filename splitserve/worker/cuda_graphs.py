@@ -119,7 +119,7 @@ class PiecewiseGraphs:
         self.use_graphs = use_graphs
         n, dev = self.sizes[-1], device
         attn = self.layers[0].self_attn
-        dtype = attn.o_proj.weight.dtype
+        dtype = attn.o_proj.params_dtype  # the activations' dtype (a quantized weight's is not)
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         with torch.inference_mode():  # as in DecodeGraphs: one compiled graph per layer half
             self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)

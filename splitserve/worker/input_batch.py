@@ -24,13 +24,15 @@ import heapq
 
 import numpy as np
 
+from splitserve.layers.sampling_metadata import BANNED
+
 from splitserve.core.sched_output import NewRequestData, SchedulerOutput
 
 
 class CachedRequestState:
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "eos_token_ids",
-                 "mm_items", "min_tokens_bans", "generator", "row", "num_pending", "pending_src",
-                 "pending_step", "_batch")
+                 "mm_items", "min_tokens_bans", "bias_ids", "bias_values", "allowed_ids", "bad_word_seqs",
+                 "generator", "row", "num_pending", "pending_src", "pending_step", "_batch")
 
     def __init__(self, new: NewRequestData, batch: "InputBatch"):
         self.req_id = new.req_id
@@ -40,8 +42,21 @@ class CachedRequestState:
         self.eos_token_ids = new.eos_token_ids
         self.mm_items = new.mm_items
         p = new.sampling_params
+        vocab = batch.vocab_size
         # Ids it may not sample while under min_tokens.
-        self.min_tokens_bans = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(new.eos_token_ids))
+        bans = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(new.eos_token_ids))
+        self.min_tokens_bans = np.array(sorted({t for t in bans if t < vocab}), dtype=np.int64)
+        # Its constant logit changes, as (ids, values): logit_bias, and bad words of one token (banned).
+        bias = {t: v for t, v in (p.logit_bias or {}).items() if t < vocab}
+        bad_seqs = p._bad_words_token_ids or ()
+        bias.update((s[0], BANNED) for s in bad_seqs if len(s) == 1 and s[0] < vocab)
+        self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias)) if bias else None
+        self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias)) if bias else None
+        # Only these may be sampled (allowed_token_ids).
+        allowed = sorted({t for t in p.allowed_token_ids or () if t < vocab})
+        self.allowed_ids = np.array(allowed, dtype=np.int64) if p.allowed_token_ids is not None else None
+        # Bad words of several tokens: their last token is banned right after the ones before it.
+        self.bad_word_seqs = tuple(tuple(s) for s in bad_seqs if len(s) > 1 and s[-1] < vocab)
         self.generator = None  # torch.Generator of a seeded request, made on its first sample
         self.row = -1
         # Saved from the row while out of the batch (preempted with a token in flight).
@@ -64,9 +79,11 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 vocab_size: int = 2 ** 62):
         R = max_num_reqs
         self.max_num_reqs = R
+        self.vocab_size = vocab_size  # token ids at or past it are dropped from per-request bans and biases
         # One position more than the context: a row never overflows even on a wasted async slot.
         # np.zeros maps untouched pages lazily: memory follows the tokens actually held.
         self.token_ids = np.zeros((R, max_model_len + 1), dtype=np.int32)
@@ -89,6 +106,11 @@ class InputBatch:
         self.penalties = np.zeros(R, dtype=bool)
         self.num_logprobs = np.full(R, -1, dtype=np.int64)  # -1: none asked
         self.min_tokens = np.zeros(R, dtype=np.int64)
+        # Rows that change logits by request: a constant bias (logit_bias, one-token bad words),
+        # allowed_token_ids, bad words of several tokens (read the row's last tokens on the host).
+        self.has_bias = np.zeros(R, dtype=bool)
+        self.has_allowed = np.zeros(R, dtype=bool)
+        self.has_bad_seqs = np.zeros(R, dtype=bool)
 
         self.states: dict[str, CachedRequestState] = {}  # every request held, in the batch or preempted
         self.row_of: dict[str, int] = {}                  # requests in the batch -> row
@@ -160,7 +182,10 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not p.greedy
         self.penalties[row] = p.needs_penalties
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        self.min_tokens[row] = p.min_tokens
+        self.min_tokens[row] = p.min_tokens if len(state.min_tokens_bans) else 0
+        self.has_bias[row] = state.bias_ids is not None
+        self.has_allowed[row] = state.allowed_ids is not None
+        self.has_bad_seqs[row] = bool(state.bad_word_seqs)
 
     def _vacate(self, state: CachedRequestState) -> None:
         row = state.row

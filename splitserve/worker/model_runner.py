@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.attention.registry import get_backend
-from splitserve.config import EngineConfig
+from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.core.sched_output import SchedulerOutput
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -56,9 +56,9 @@ class InFlightStep:
     sample_requests: list[CachedRequestState]  # the worker's states of its sampling rows, in row order
     step_no: int = -1  # the runner's launch count when it was launched (pending_step of its rows)
     token_ids: torch.Tensor | None = None
-    host: tuple = ()  # (token ids, logprobs, logprob ids) on the host, copied without blocking
+    host: tuple = ()  # (token ids, logprobs, logprob ids, ranks) on the host, copied without blocking
     done: torch.cuda.Event | None = None
-    needs_sync: bool = False  # the next step must see these tokens on the host (penalties)
+    needs_sync: bool = False  # the next step must see these tokens on the host (penalties, grammars)
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -126,6 +126,8 @@ class ForwardBatch:
 class StepResult:
     tokens: dict[str, int]
     logprobs: dict[str, dict[int, float]]
+    # the sampled token's rank among all tokens by logprob, for each request that asked for logprobs
+    logprob_ranks: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -137,12 +139,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
+        # The cache's element type: the model's, or FP8 e4m3 (1 byte: twice the tokens of bf16 in the
+        # same memory; the attention layers' k_scale / v_scale map it back).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.stagings = [_Staging(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                   self.max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
         # The worker's persistent batch: what it keeps about each request between step messages.
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
-                                      self.max_blocks_per_seq)
+                                      self.max_blocks_per_seq, config.model.vocab_size)
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -155,7 +160,7 @@ class ModelRunner:
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         m = self.config.model
-        elem = torch.empty((), dtype=m.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_layers
 
     def determine_num_blocks(self) -> int:
@@ -181,12 +186,13 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=m.dtype, device=self.device) for _ in range(m.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                          for _ in range(m.num_layers)]
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.kv_cache = self.kv_caches[module.layer_idx]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * self.bytes_per_block() / (1 << 30))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
+                    num_blocks * self.bytes_per_block() / (1 << 30), str(self.kv_cache_dtype).removeprefix("torch."))
 
     # -- fast path (CUDA) --------------------------------------------------------------------------
     def setup_fast_path(self) -> None:
@@ -275,7 +281,8 @@ class ModelRunner:
         meta_sampling = None
         if num_samples:
             meta_sampling = build_sampling_metadata(ib, sample_rows, sample_requests,
-                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device)
+                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device,
+                                                    sched.grammar)
         fill_src = None
         if len(pending):
             assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
@@ -353,7 +360,7 @@ class ModelRunner:
         step.needs_sync = out.needs_host_tokens
         # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
         step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
-                          for x in (out.token_ids, out.logprobs, out.logprob_ids))
+                          for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -366,13 +373,13 @@ class ModelRunner:
             return StepResult({}, {})
         if step.done is not None:
             step.done.synchronize()
-        token_ids, logprob_vals, logprob_ids = step.host
+        token_ids, logprob_vals, logprob_ids, logprob_ranks = step.host
         tokens = token_ids.tolist()
         states = step.sample_requests
         self.input_batch.record_sampled(states, tokens)
-        logprobs = {}
+        logprobs, ranks = {}, {}
         if logprob_vals is not None:
-            vals, tok_ids = logprob_vals.tolist(), logprob_ids.tolist()
+            vals, tok_ids, all_ranks = logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist()
             for i, r in enumerate(states):
                 k = r.sampling_params.logprobs
                 if k is not None:
@@ -380,4 +387,5 @@ class ModelRunner:
                     for t, v in zip(tok_ids[i][1:1 + k], vals[i][1:1 + k]):
                         entry.setdefault(t, v)
                     logprobs[r.req_id] = entry
-        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs)
+                    ranks[r.req_id] = all_ranks[i]
+        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks)

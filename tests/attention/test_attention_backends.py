@@ -5,6 +5,8 @@ TritonBackend, cuda_graphs.decode_graph_metadata, kernel_precompile.attention_la
 the restructuring must not change a kernel, a split count or a captured graph."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -143,13 +145,14 @@ OLD_LAUNCHES = {
     "tiny_budget": (AttentionKernelSpec("triton", 4, 1, 64, torch.float16, 32, 8, 2048, (), 78, 90, 0), 8, [
         (8, 8, 1, 1, 1, 1), (8, 4, 2, 2, 1, None), (8, 1, 8, 8, 1, None), (2, 2, 1, 2048, 64, 8)]),
 }
+# An FP8 KV cache launches the same variants, on an FP8 cache.
+OLD_LAUNCHES["gqa_small_fp8_kv"] = (replace(OLD_LAUNCHES["gqa_small"][0], kv_dtype=torch.float8_e4m3fn),
+                                    *OLD_LAUNCHES["gqa_small"][1:])
 
 
 @pytest.mark.parametrize("case", list(OLD_LAUNCHES))
 def test_precompile_launches_are_the_old_ones(case, monkeypatch):
     _triton()
-    from dataclasses import replace
-
     from splitserve.attention.ops import paged_attention
     from splitserve.attention.ops.store_kv import store_kv
     from splitserve.startup import kernel_precompile
@@ -161,21 +164,25 @@ def test_precompile_launches_are_the_old_ones(case, monkeypatch):
 
     n, hq, hkv, d = spec.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     assert store.func is store_kv
-    k, v, cache, slots, q, positions, cos_sin = store.args
+    k, v, cache, slots, q, positions, cos_sin, *scales = store.args
+    kv_dtype = spec.kv_dtype or spec.dtype
+    # The layer's k_scale / v_scale stand-ins: one fp32 value each, as the Attention module's buffers.
+    assert [(s.shape, s.dtype) for s in scales] == [((1,), torch.float32)] * 2
     row = (hq + 2 * hkv) * d  # q, k and v are views of one projection's output
     assert (q.shape, q.stride(), k.shape, k.stride(), v.stride()) == ((n, hq, d), (row, d, 1), (n, hkv, d), (row, d, 1),
                                                                       (row, d, 1))
-    assert cache.shape == (1, 2, n, hkv, d) and cache.dtype == k.dtype == spec.dtype
+    assert cache.shape == (1, 2, n, hkv, d) and cache.dtype == kv_dtype and k.dtype == spec.dtype
     assert slots.dtype == positions.dtype == torch.long and slots.shape == positions.shape == (n,)
     assert (cos_sin is None) if not spec.rot_dim else (cos_sin.shape == (n, spec.rot_dim)
                                                         and cos_sin.dtype == torch.float32)
 
     got = []
     for launch in attention:
-        q, cache, meta, scale = launch.args
+        q, cache, meta, scale, *scales = launch.args
         assert launch.func.__name__ == "attend" and scale == d ** -0.5
+        assert [(s.shape, s.dtype) for s in scales] == [((1,), torch.float32)] * 2
         assert q.shape == (meta.slot_mapping.shape[0], hq, d) and q.is_contiguous() and q.dtype == spec.dtype
-        assert cache.shape == (1, 2, spec.block_size, hkv, d)
+        assert cache.shape == (1, 2, spec.block_size, hkv, d) and cache.dtype == kv_dtype
         for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables):
             assert t.is_contiguous() and t.device.type == "meta"
         assert meta.query_start_loc_cpu[-1] == q.shape[0] and meta.query_start_loc.shape == (meta.num_seqs + 1,)

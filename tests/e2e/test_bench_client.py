@@ -164,6 +164,19 @@ def test_cli_serve_saves_result(stream_url, tokenizer_dir, tmp_path):
     assert len(data["requests"]) == 4 and all(len(r["itl"]) == NTOK - 1 for r in data["requests"])
 
 
+def test_splitserve_bench_logs_no_request_lines_and_shows_tokens_per_second(stream_url, tokenizer_dir):
+    """Through the `splitserve` command, which logs at INFO: httpx's line per request stays out, and the
+    progress bar shows the output token rate."""
+    p = subprocess.run([sys.executable, "-m", "splitserve", "bench", "serve", "--base-url", stream_url + "/v1",
+                        "--tokenizer", tokenizer_dir, "--num-prompts", "4", "--random-input-len", str(PROMPT),
+                        "--random-output-len", str(NTOK), "--request-rate", "20"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Successful requests:" in p.stdout
+    assert "HTTP Request" not in p.stderr, p.stderr
+    assert "output tok/s" in p.stderr, p.stderr
+
+
 def test_cli_sweep_writes_plot(tokenizer_dir, tmp_path, capsys):
     # In-process through main() (the subprocess path is covered above; this saves an interpreter
     # start and a transformers import).

@@ -31,10 +31,11 @@ def srv(tiny_model_dir):
 # Every operation of the schema; the first test fails if the server grows one not listed here.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
-              ("GET", "/version"), ("GET", "/")]
+              ("GET", "/version"), ("GET", "/"), ("GET", "/v1/models/{model_id}"), ("GET", "/ping"),
+              ("POST", "/ping"), ("GET", "/load")]
 # Negative cases (schema violations) exist only where there is a body to break.
 CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \
-        [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST"]
+        [(m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST" and p != "/ping"]
 fuzzed: dict[str, int] = {}
 
 

@@ -54,7 +54,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [["a"], 3]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),
     ({"stream": "sometimes"}, "stream"),
 ]
 
@@ -73,7 +74,7 @@ BAD_CHATS = [
     ({"max_completion_tokens": -2}, "max_tokens"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs --enable-auto-tool-choice
 ]
 
 

@@ -39,6 +39,7 @@ def test_models_version_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == 2048
+    assert models.data[0].model_extra["quantization"] is None  # float weights
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
 

@@ -76,14 +76,23 @@ def test_defaults_parse_to_the_dataclass_defaults(cls, monkeypatch):
     assert cls.from_namespace(parse_serve([])) == cls()
 
 
+# A field that is valid only together with another: its round trip sets both.
+NEEDS = {"enable_auto_tool_choice": ("tool_call_parser", "hermes")}
+
+
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 def test_each_field_round_trips(cls):
     flags, positional, expected = [], [], {}
     for f in dataclasses.fields(cls):
         value, argv = other_value(cls, f)
-        got = cls.from_namespace(parse_serve(argv))
+        extra = {}
+        if f.name in NEEDS:
+            dep, dep_value = NEEDS[f.name]
+            extra[dep] = dep_value
+        dep_argv = [a for dep, v in extra.items() for a in (f"--{dep.replace('_', '-')}", v)]
+        got = cls.from_namespace(parse_serve(argv + dep_argv))
         assert getattr(got, f.name) == value, (f.name, argv)
-        assert got == dataclasses.replace(cls(), **{f.name: value}), f.name
+        assert got == dataclasses.replace(cls(), **{f.name: value}, **extra), f.name
         (positional if f.metadata["positional"] else flags).extend(argv)
         expected[f.name] = value
     # All at once (the positional first: a list option would take what follows it as its values).
@@ -137,6 +146,24 @@ def test_bad_choice_is_refused():
         parse_serve(["--dtype", "int4"])
     with pytest.raises(SystemExit):
         parse_serve(["--max-num-seqs", "many"])
+    with pytest.raises(SystemExit):
+        parse_serve(["--kv-cache-dtype", "fp8_e5m2"])
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "auto"])
+def test_kv_cache_dtype_parses(value):
+    assert EngineArgs.from_namespace(parse_serve(["--kv-cache-dtype", value])).kv_cache_dtype == value
+    assert EngineArgs.from_namespace(parse_serve([])).kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int8", "bfloat16", ""])
+def test_unsupported_kv_cache_dtype_is_a_clear_error(value):
+    from splitserve import LLM
+    from splitserve.config import CacheConfig
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got"):
+        LLM("/no/such/model", kv_cache_dtype=value)  # refused before the model is looked up
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
+        CacheConfig(kv_cache_dtype=value)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -190,8 +217,9 @@ def test_bench_throughput_and_generate_take_the_engine_options():
     parser = cli.build_parser()
     ns = parser.parse_args(["bench", "throughput", "cfg", "--random-weights", "--no-prefix-caching",
                             "--input-len", "8", "--seed", "3"])
+    # --seed is the engine's seed there too (and the prompts' seed of the benchmark)
     assert EngineArgs.from_namespace(ns) == EngineArgs(model="cfg", random_weights=True,
-                                                       enable_prefix_caching=False)
+                                                       enable_prefix_caching=False, seed=3)
     ns = parser.parse_args(["generate", "--prompt", "hi", "--cpu-kv-cache-gib", "0.5"])
     assert EngineArgs.from_namespace(ns).cpu_kv_cache_gib == 0.5
 
@@ -226,3 +254,13 @@ def test_help_with_a_percent_sign_is_escaped():
     p = argparse.ArgumentParser()
     Pct.add_cli_args(p)
     assert "use 90% of it (default: 0.9)" in " ".join(p.format_help().split())
+
+
+def test_quantization_flag_takes_vllm_names():
+    assert EngineArgs.from_namespace(parse_serve([])).quantization is None  # from the checkpoint
+    assert EngineArgs.from_namespace(parse_serve(["--quantization", "fp8"])).quantization == "fp8"
+    assert EngineArgs.from_namespace(parse_serve(["--quantization", "compressed-tensors"])).quantization == \
+        "compressed-tensors"
+    with pytest.raises(SystemExit):
+        parse_serve(["--quantization", "int3"])
+    assert "--quantization" in serve_parser().format_help()

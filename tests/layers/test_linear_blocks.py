@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import splitserve.layers.linear as linear_mod
-from splitserve.layers.linear import Linear, MergedLinear, linear
+import splitserve.layers.cpu_gemm as linear_mod
+from splitserve.layers.cpu_gemm import linear
+from splitserve.layers.linear import Linear, MergedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 128, 129])

@@ -43,14 +43,22 @@ def meta(rows: list[Row]) -> SamplingMetadata:
                 if r.generator is None:
                     r.generator = torch.Generator().manual_seed(p.seed)
                 m.generators[i] = r.generator
+    bias = []  # (row, token, value)
     for i, r in enumerate(rows):
         p = r.sampling_params
         if p.needs_penalties:
             m.penalties.append(PenaltyRow(i, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
                                           r.prompt_token_ids, r.output_token_ids))
         bans = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-        if len(r.output_token_ids) < p.min_tokens and bans:
-            m.min_tokens_bans.append((i, bans))
+        if len(r.output_token_ids) < p.min_tokens:
+            bias += [(i, t, float("-inf")) for t in bans]
+        bias += [(i, t, v) for t, v in (p.logit_bias or {}).items()]
+    if bias:
+        m.bias_rows, m.bias_token_ids, m.bias_values = (np.array(col, dtype=dt) for col, dt in
+                                                        zip(zip(*bias), (np.int64, np.int64, np.float32)))
+    allowed = [(i, t) for i, r in enumerate(rows) for t in r.sampling_params.allowed_token_ids or ()]
+    if allowed:
+        m.allowed_rows, m.allowed_token_ids = (np.array(col, dtype=np.int64) for col in zip(*allowed))
     return m
 
 
@@ -167,3 +175,87 @@ def test_bf16_logits_sample_as_their_fp32_values():
     assert out16.token_ids.tolist() == out32.token_ids.tolist()
     assert out16.logprobs.dtype == torch.float32
     assert torch.equal(out16.logprobs, out32.logprobs)
+
+
+# -- logit changes by request: logit_bias, allowed_token_ids, grammar bitmasks -------------------------
+def test_logit_bias_bans_and_forces_in_one_batch():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    top = logits.argmax(-1).tolist()
+    batch = [req("ban", temperature=0, logit_bias={top[0]: -100}),
+             req("force", temperature=1.0, logit_bias={7: 100}),
+             req("plain", temperature=0)]
+    for _ in range(20):
+        out = Sampler()(logits.clone(), meta(batch)).token_ids.tolist()
+        assert out[0] == logits[0].topk(2).indices[1].item()  # the next best once the best is banned
+        assert out[1] == 7 and out[2] == top[2]
+
+
+def test_logit_bias_is_added_to_the_logits():
+    """A moderate bias shifts the distribution as adding it to the logits does (plain torch reference)."""
+    torch.manual_seed(3)
+    logits = torch.zeros(4000, 3)
+    r = [req(str(i), temperature=1.0, logit_bias={2: float(np.log(3.0))}) for i in range(4000)]
+    tokens = Sampler()(logits, meta(r)).token_ids
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.softmax(torch.tensor([0.0, 0.0, np.log(3.0)]), 0).float(), atol=0.03)
+
+
+def test_allowed_token_ids_restrict_only_their_rows():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    allowed = [3, 11, 40]
+    batch = [req("a", temperature=2.0, allowed_token_ids=allowed), req("g", temperature=0),
+             req("b", temperature=0, allowed_token_ids=[9])]
+    seen = set()
+    for _ in range(100):
+        out = Sampler()(logits.clone(), meta(batch)).token_ids.tolist()
+        seen.add(out[0])
+        assert out[1] == logits[1].argmax().item() and out[2] == 9
+    assert seen == set(allowed)
+
+
+def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32, generator=g)
+
+
+@pytest.mark.parametrize("vocab", [64, 50, 1000])
+def test_token_bitmask_matches_xgrammar(vocab):
+    """The sampler's bitmask masking equals xgrammar's own kernel on the same rows."""
+    import xgrammar as xgr
+    from splitserve.layers.sampler import apply_token_bitmask
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([0, 2, 5])
+    bitmask = random_bitmask(3, vocab, seed=vocab)
+    ours = logits.clone()
+    apply_token_bitmask(ours, rows, bitmask)
+    ref = logits.clone()
+    full = torch.full((6, bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab, indices=rows.tolist())
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[[1, 3, 4]], logits[[1, 3, 4]])  # other rows untouched
+
+
+def test_token_bitmask_bans_ids_past_its_width():
+    """Logits wider than the bitmask (a vocabulary padded past the tokenizer's): the extra ids are banned."""
+    from splitserve.layers.sampler import apply_token_bitmask
+    logits = torch.zeros(1, 70)
+    apply_token_bitmask(logits, torch.tensor([0]), torch.full((1, 2), -1, dtype=torch.int32))
+    assert torch.isfinite(logits[0, :64]).all() and torch.isneginf(logits[0, 64:]).all()
+
+
+def test_grammar_rows_sample_only_allowed_tokens():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6))
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 4) | (1 << 9)   # row 0 may sample 4 or 9
+    bitmask[1, 1] = 1 << (33 - 32)        # row 2 may sample 33 only
+    batch = [req("c", temperature=3.0), req("u", temperature=0), req("d", temperature=0)]
+    m = meta(batch)
+    m.grammar_rows, m.grammar_bitmask = np.array([0, 2]), bitmask
+    assert m.needs_host_tokens
+    seen = set()
+    for _ in range(100):
+        out = Sampler()(logits.clone(), m)
+        seen.add(out.token_ids[0].item())
+        assert out.token_ids[1:].tolist() == [logits[1].argmax().item(), 33] and out.needs_host_tokens
+    assert seen == {4, 9}

@@ -58,8 +58,9 @@ def test_missing_model_path():
 def test_uncached_hub_repo_says_how_to_download(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
+    with pytest.raises(FileNotFoundError, match="`hf download someone/not-a-cached-model`") as e:
         LLM("someone/not-a-cached-model")
+    assert "huggingface-cli" not in str(e.value)  # the old tool's name
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

@@ -78,7 +78,7 @@ def test_benchmark_8b_config_is_read_natively():
 
 
 @pytest.mark.parametrize("change", ["drop eos_token_id", "drop rms_norm_eps", "no rope", "vlm model_type",
-                                    "quantized", "not json"])
+                                    "not json"])
 def test_configs_it_cannot_read_exactly_go_to_transformers(change, tmp_path):
     cfg = dict(CASES["mistral"])
     if change == "drop eos_token_id":
@@ -89,8 +89,6 @@ def test_configs_it_cannot_read_exactly_go_to_transformers(change, tmp_path):
         del cfg["rope_theta"]
     elif change == "vlm model_type":
         cfg["model_type"] = "llava"
-    elif change == "quantized":
-        cfg["quantization_config"] = {"quant_method": "awq"}
     directory = _write(tmp_path, cfg)
     if change == "not json":
         (tmp_path / "config.json").write_text("{not json")
@@ -98,6 +96,18 @@ def test_configs_it_cannot_read_exactly_go_to_transformers(change, tmp_path):
     if change in ("drop eos_token_id", "drop rms_norm_eps", "no rope"):
         config = load_hf_config(ModelSource(directory, directory))  # the loader's fallback
         assert not isinstance(config, TextConfig) and config.model_type == "mistral"
+
+
+def test_quantization_config_is_read_as_transformers_keeps_it(tmp_path):
+    """A quantized checkpoint's config is read natively too; its quantization_config stays the dict
+    it is in the file, as in transformers' config (layers/quantization/config.py reads it)."""
+    from transformers import AutoConfig
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8}}}}
+    directory = _write(tmp_path, {**CASES["mistral"], "quantization_config": qc})
+    native = read_text_config(directory)
+    assert isinstance(native, TextConfig) and native.quantization_config == qc
+    assert AutoConfig.from_pretrained(directory).quantization_config == qc
 
 
 def test_loader_builds_the_same_model_from_either_config(tmp_path):

@@ -20,10 +20,11 @@ import sys, torch
 from triton import knobs
 from splitserve.startup import kernel_precompile as kp
 dtype = getattr(torch, sys.argv[2])
+kv_dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else None  # the KV cache's; None: dtype
 # A GQA shape (8 heads over 2 KV heads, head_dim 64), a 512-token budget, three decode graph sizes
 # (16, 16 and 4 splits on 132 SMs; the warm-up's decode step has none): every kernel and variant the
 # engine launches at start-up.
-spec = kp.AttentionKernelSpec("triton", 8, 2, 64, dtype, 16, 512, 4096, (2, 4, 64), 132, 90, 64)
+spec = kp.AttentionKernelSpec("triton", 8, 2, 64, dtype, 16, 512, 4096, (2, 4, 64), 132, 90, 64, kv_dtype)
 if sys.argv[1] == "children":
     pre = kp.AttentionPrecompile(spec, num_workers=2)
     for p in pre.procs:
@@ -38,19 +39,21 @@ else:
 """
 
 
-def _run(tmp_path, phase: str, dtype: str):
+def _run(tmp_path, phase: str, dtype: str, kv_dtype: str | None = None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, phase, dtype], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, phase, dtype, *([kv_dtype] if kv_dtype else [])], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_precompiled_kernels_are_cache_hits_for_real_launches(tmp_path):
-    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16")
-    seen = eval(_run(tmp_path, "real", "bfloat16").split("RESULT", 1)[1])
+# float8_e4m3fn: an FP8 KV cache, whose kernels (FP8 loads and stores) must also compile for sm_90.
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_precompiled_kernels_are_cache_hits_for_real_launches(tmp_path, kv_dtype):
+    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", kv_dtype)
+    seen = eval(_run(tmp_path, "real", "bfloat16", kv_dtype).split("RESULT", 1)[1])
     names = {name for name, _ in seen}
     # store, the ragged kernel's variants, decode with and without splits, and the split merge
     assert names == {"_store_kv_kernel", "_ragged_paged_attn_kernel", "_decode_split_kernel", "_decode_reduce_kernel"}
@@ -63,3 +66,6 @@ def test_other_specialisations_miss_the_cache(tmp_path):
     _run(tmp_path, "children", "bfloat16")
     seen = eval(_run(tmp_path, "real", "float16").split("RESULT", 1)[1])
     assert seen and not any(hit for _, hit in seen), seen
+    # So do launches on an FP8 cache against a bf16 one (the cache's dtype is part of the key).
+    seen = eval(_run(tmp_path, "real", "bfloat16", "float8_e4m3fn").split("RESULT", 1)[1])
+    assert seen and not any(hit for name, hit in seen if name != "_decode_reduce_kernel"), seen

@@ -124,7 +124,8 @@ def test_sampling_metadata_greedy_batch_carries_no_per_row_data():
     rows = np.array([ib.row_of[s.req_id] for s in states])
     meta = build_sampling_metadata(ib, rows, states, np.zeros(3, dtype=np.int64), torch.device("cpu"))
     assert meta.all_greedy and meta.greedy is None and meta.temperature is None
-    assert meta.max_num_logprobs is None and not meta.penalties and not meta.min_tokens_bans and not meta.generators
+    assert meta.max_num_logprobs is None and not meta.penalties and meta.bias_rows is None and not meta.generators
+    assert meta.allowed_rows is None and meta.grammar_rows is None and not meta.needs_host_tokens
 
 
 def test_sampling_metadata_of_a_mixed_batch():
@@ -147,7 +148,49 @@ def test_sampling_metadata_of_a_mixed_batch():
     [pen] = meta.penalties
     assert (pen.row, pen.repetition_penalty, list(pen.prompt_token_ids)) == (0, 1.3, [4, 5])
     # p is under min_tokens (stop id and EOS banned); m has its one token (and ignores EOS anyway)
-    assert meta.min_tokens_bans == [(0, (9, EOS))]
+    assert meta.bias_rows.tolist() == [0, 0] and meta.bias_token_ids.tolist() == [EOS, 9]
+    assert np.isneginf(meta.bias_values).all()
     gen = meta.generators[2]
     again = build_sampling_metadata(ib, rows, states, np.array([2, 1, 1, 2]), dev)
-    assert again.generators[2] is gen and not again.min_tokens_bans  # made once, kept by the request
+    assert again.generators[2] is gen and again.bias_rows is None  # made once, kept by the request
+
+
+def test_sampling_metadata_logit_changes_are_flat_arrays():
+    """logit_bias, one-token bad words, min_tokens bans and allowed ids of several rows become one sparse
+    list each; a bad word of several tokens bans its last token only right after its first ones."""
+    ib = InputBatch(4, 32, 4, vocab_size=100)
+    bad = SamplingParams(max_tokens=50, temperature=0, bad_words=["x"])
+    bad._bad_words_token_ids = [[7], [20, 21, 22]]  # what the front makes of the words
+    ib.update(msg(new_requests=[
+        new("b", [1], [0], temperature=0, logit_bias={5: -100, 6: 2.5, 150: 1}),
+        new("a", [1], [1], temperature=0, allowed_token_ids=[3, 4, 200]),
+        NewRequestData("w", [1], bad, [2], 0, (EOS,)),
+        new("m", [1], [3], temperature=0, min_tokens=3, logit_bias={8: 1})]))
+    order = {"b": 1, "a": 1, "w": 1, "m": 1}
+    states = launch(ib, order, 0)
+    rows = ib.rows_of(order)
+    meta = build_sampling_metadata(ib, rows, states, np.array([0, 0, 0, 0]), torch.device("cpu"))
+    triples = sorted(zip(meta.bias_rows.tolist(), meta.bias_token_ids.tolist(), meta.bias_values.tolist()))
+    inf = float("-inf")
+    assert triples == [(0, 5, -100.0), (0, 6, 2.5), (2, 7, inf), (3, EOS, inf), (3, 8, 1.0)]  # 150: past the vocab
+    assert meta.allowed_rows.tolist() == [1, 1] and meta.allowed_token_ids.tolist() == [3, 4]
+    assert meta.reads_history and meta.needs_host_tokens
+    # After w generated 20, 21 its next token may not be 22; once m has 3 tokens EOS is allowed again.
+    ib.states["w"].output_token_ids[:] = [9, 20, 21]
+    meta = build_sampling_metadata(ib, rows, states, np.array([1, 1, 3, 3]), torch.device("cpu"))
+    triples = sorted(zip(meta.bias_rows.tolist(), meta.bias_token_ids.tolist(), meta.bias_values.tolist()))
+    assert triples == [(0, 5, -100.0), (0, 6, 2.5), (2, 7, inf), (2, 22, inf), (3, 8, 1.0)]
+
+
+def test_sampling_metadata_places_grammar_masks_on_their_sampling_rows():
+    from splitserve.core.sched_output import GrammarBitmask
+    ib = InputBatch(4, 32, 4)
+    ib.update(msg(new_requests=[new(r, [1, 2, 3], [0], temperature=0) for r in "xyz"]))
+    order = {"x": 2, "y": 3, "z": 3}  # x is mid-prefill: it does not sample
+    states = launch(ib, order, 0)
+    assert [s.req_id for s in states] == ["y", "z"]
+    sample_rows = np.array([ib.row_of["y"], ib.row_of["z"]])
+    masks = torch.tensor([[5], [6]], dtype=torch.int32)
+    meta = build_sampling_metadata(ib, sample_rows, states, np.zeros(2, dtype=np.int64), torch.device("cpu"),
+                                   GrammarBitmask(["z", "y"], masks))
+    assert meta.grammar_rows.tolist() == [1, 0] and meta.grammar_bitmask is masks and meta.needs_host_tokens

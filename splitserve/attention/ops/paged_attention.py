@@ -17,7 +17,13 @@ Two kernels:
     and small batches this keeps all SMs busy where one program per (seq, head) would not.
 
 Both use an online softmax in the log2 domain (exp2 is cheaper than exp; scale * log2(e) is folded
-into the logits) with fp32 accumulation. Launch grids depend only on host ints and tensor shapes, and
+into the logits) with fp32 accumulation.
+
+An FP8 (e4m3) cache holds K / k_scale and V / v_scale (see store_kv.py). Tiles are widened to q's
+dtype as they load (exact: every e4m3 value is a bf16/fp16 value), and the scales are applied in
+fp32 where they cost one multiply per program: k_scale joins the logits' scale (q . (k8 * s) =
+(q . k8) * s) and v_scale multiplies the normalised output (the softmax-weighted sum is linear in
+V). That is the dequantize-on-load maths, without rounding k8 * s to bf16 per element. Launch grids depend only on host ints and tensor shapes, and
 the wrappers never read device tensors on the host, so they can be captured in CUDA graphs.
 """
 from __future__ import annotations
@@ -27,6 +33,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from splitserve.attention.ops.store_kv import fp8_scales
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a row whose every logit is masked then yields
@@ -91,13 +99,13 @@ def _ragged_tile(
 # size, block-table width), so specializing them would recompile the kernel mid-serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _ragged_paged_attn_kernel(
-    q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr,  # KV block size: constexpr so position -> (block, offset) is shift/mask
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # The KV heads of one query block are neighbouring programs: they run together and read the
@@ -139,6 +147,8 @@ def _ragged_paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_h_off = kv_h * stride_ch
@@ -159,6 +169,8 @@ def _ragged_paged_attn_kernel(
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padded rows can have l == 0; they are not stored
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -197,14 +209,15 @@ def ragged_variant(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_l
 
 def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
-                           max_seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                           max_seq_len: int, scale: float, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged cache for a ragged mixed batch; returns [T, Hq, D].
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32 (device).
     max_query_len / max_seq_len are host ints: max_query_len picks the query block size (and so the
     grid, T // BLOCK_Q + B programs per KV head); with max_seq_len they pick the K/V tile width.
     Rows of q not owned by any sequence (index >= query_start_loc[B], e.g. graph padding) are left
-    unwritten in out.
+    unwritten in out. An FP8 cache is read with k_scale / v_scale (one-element fp32; None: 1.0).
     """
     num_tokens, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
     num_seqs = seq_lens.shape[0]
@@ -219,14 +232,15 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     block_q, block_n, num_warps, num_stages = ragged_variant(num_tokens, num_seqs, max_query_len, max_seq_len,
                                                              num_heads, num_kv_heads, head_dim)
     grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
+    fp8, k_scale, v_scale = fp8_scales(kv_cache, k_scale, v_scale)
     _ragged_paged_attn_kernel[grid](
-        q, out, kv_cache, query_start_loc, seq_lens, block_tables,
+        q, out, kv_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
         num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -238,13 +252,13 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
-    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr,
+    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     num_heads, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     NUM_SPLITS = tl.num_programs(2)
     kv_h = tl.program_id(0)  # fastest: a sequence's KV heads read adjacent cache rows together
@@ -267,6 +281,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_h_off = kv_h * stride_ch
@@ -280,6 +296,8 @@ def _decode_split_kernel(
 
     empty = l_i == 0.0  # split past the end of this sequence (or seq_len == 0: a padding slot)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)  # before the merge, which is linear in the outputs
     if not SPLIT:
         # Nothing to merge: write the final output directly and skip the reduce launch.
         o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -353,11 +371,13 @@ def _decode_config(head_dim: int) -> tuple[int, int, int]:
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, max_seq_len: int, scale: float,
-                           num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: q [B, Hq, D] (row b belongs to sequence b,
     the token at position seq_lens[b] - 1); returns [B, Hq, D]. Split-K over the context with
     num_splits slices (default from default_num_splits; pass a fixed value for CUDA-graph capture).
-    Sequences with seq_len == 0 (padding) produce zeros.
+    Sequences with seq_len == 0 (padding) produce zeros. An FP8 cache is read with k_scale / v_scale
+    (one-element fp32; None: 1.0).
     """
     num_seqs, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
     assert seq_lens.shape[0] == num_seqs, (seq_lens.shape, q.shape)
@@ -379,14 +399,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     else:
         part_o = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     assert num_seqs < 65536, "the grid's second dimension holds the sequences"
+    fp8, k_scale, v_scale = fp8_scales(kv_cache, k_scale, v_scale)
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, out, part_o, part_lse, kv_cache, seq_lens, block_tables,
+        q, out, part_o, part_lse, kv_cache, seq_lens, block_tables, k_scale, v_scale,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         num_heads, BLOCK_SIZE=kv_cache.shape[2],
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
+        SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

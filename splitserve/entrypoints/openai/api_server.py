@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `splitserve serve [MODEL]`.
 
 `build_app(engine, args)` makes the FastAPI app (tests and embedders can call it directly);
-`run_server(args)` loads the engine and runs it under uvicorn. On SIGTERM/SIGINT the server drains:
+`run_server(args)` binds the port (so a port in use is reported at once), loads the engine, and runs
+it under uvicorn on that socket. On SIGTERM/SIGINT the server drains:
 it stops accepting connections, answers new requests on open connections with 503, lets in-flight
 requests finish for up to --drain-timeout seconds, aborts what is left, then exits with status 0.
 """
@@ -10,14 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import errno
 import logging
 import secrets
 import signal
+import socket
 import threading
 from importlib import resources
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +36,7 @@ from splitserve.entrypoints.openai.protocol import (APIError, ChatCompletionRequ
                                                     TokenizeRequest)
 from splitserve.entrypoints.openai.server_args import ServerArgs
 from splitserve.entrypoints.openai.serving import OpenAIServing, overloaded
-from splitserve.metrics import ServerMetrics
+from splitserve.metrics import ServerMetrics, StatsLogger
 from splitserve.multimodal.media import MediaPolicy
 
 logger = logging.getLogger(__name__)
@@ -79,21 +84,46 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         async_engine = AsyncLLMEngine(engine, max_queued_requests=getattr(args, "max_queued_requests", None))
     llm = async_engine.engine
     model_name = llm.model_name
-    metrics = ServerMetrics(model_name, lambda: async_engine.stats)
+    cfg = llm.config
+    cache_info = {"block_size": str(cfg.cache.block_size),
+                  "num_gpu_blocks": str(llm.kv_capacity_tokens // cfg.cache.block_size),
+                  "enable_prefix_caching": str(cfg.cache.enable_prefix_caching),
+                  "gpu_memory_utilization": str(cfg.cache.gpu_memory_utilization),
+                  "cache_dtype": str(getattr(cfg.cache, "kv_cache_dtype", None) or getattr(cfg.cache, "cache_dtype", None)
+                                     or "auto")}
+    metrics = ServerMetrics(model_name, lambda: async_engine.stats, cfg.model.max_model_len, cache_info,
+                            compat=getattr(args, "metrics_compat", None))
     async_engine.on_output = metrics.on_output
+    async_engine.on_step_tokens = metrics.on_step_tokens
+    stats_logger = None if getattr(args, "disable_log_stats", True) else StatsLogger(metrics, lambda: async_engine.stats)
     source = getattr(llm, "source", None)
-    serving = OpenAIServing(async_engine, model_name, getattr(source, "path", None))
+    serving = OpenAIServing(async_engine, model_name, getattr(source, "path", None),
+                            log_requests=bool(getattr(args, "enable_log_requests", False)),
+                            tool_parser=getattr(args, "tool_call_parser", None)
+                            if getattr(args, "enable_auto_tool_choice", False) else None)
     serving.media_policy = MediaPolicy.from_args(args)  # image sources: --allowed-*, --limit-mm-per-prompt
     page = _chat_page()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        stats_task = asyncio.create_task(stats_logger.run()) if stats_logger is not None else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         await async_engine.shutdown()
 
-    app = FastAPI(title="splitserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    docs = not getattr(args, "disable_fastapi_docs", False)
+    app = FastAPI(title="splitserve", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.add_middleware(BodySizeLimit, max_bytes=getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
+    # Added last, so it runs first: a preflight (OPTIONS) or a 413 still carries the CORS headers a
+    # browser needs to read it. The defaults are vLLM's: any origin, method and header.
+    app.add_middleware(CORSMiddleware, allow_origins=getattr(args, "allowed_origins", None) or ["*"],
+                       allow_methods=getattr(args, "allowed_methods", None) or ["*"],
+                       allow_headers=getattr(args, "allowed_headers", None) or ["*"],
+                       allow_credentials=bool(getattr(args, "allow_credentials", False)))
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.draining = False
@@ -158,10 +188,18 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(require_key)])
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=serving.model_root, max_model_len=serving.max_model_len,
+                         quantization=serving.quantization)
+
     @api.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=model_name, root=serving.model_root, max_model_len=serving.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[model_card(n) for n in serving.served_model_names]).model_dump()
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        serving.check_model(model_id)  # 404 in the OpenAI shape for a name this server does not serve
+        return model_card(model_id).model_dump()
 
     @api.post("/v1/completions", dependencies=[Depends(accepting)])
     async def completions(body: CompletionRequest, request: Request):
@@ -194,6 +232,24 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         if async_engine.dead_error is not None:
             return _error_response(overloaded(f"the engine has stopped: {async_engine.dead_error}"))
         return Response(status_code=200)
+
+    # SageMaker's health probe (vLLM answers it the same way as /health), by GET or POST.
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
+        return await health()
+
+    @app.get("/load")
+    async def load() -> dict:
+        """vLLM's load report: the requests in flight (a router's least-loaded choice)."""
+        return {"server_load": async_engine.num_in_flight}
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(status_code=204)  # browsers ask for it with every page; nothing to show
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -239,16 +295,51 @@ def _make_server(config, on_signal):
     return DrainingServer(config)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Binds the server's address now, before the model loads, so that a port in use is reported at
+    once rather than after minutes of loading. Not listening yet: until the engine is ready, a
+    client is refused at once instead of waiting in the backlog."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may reuse it at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "the port is in use (another server?); stop it or choose another --port" \
+            if e.errno == errno.EADDRINUSE else e.strerror
+        raise ValueError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """Starts the engine core in its own process, then serves HTTP here until a signal (exit 0) or
-    the loss of the core process (exit 1, after answering 503 for a moment so probes see why)."""
+    """Binds the port, starts the engine core in its own process, then serves HTTP here until a signal
+    (exit 0) or the loss of the core process (exit 1, after answering 503 for a moment so probes see why)."""
     import uvicorn
 
-    ServerArgs.from_namespace(args)  # checks the server's flags (ValueError naming the flag)
-    engine = AsyncLLMEngine.launch(EngineArgs.from_namespace(args), max_queued_requests=args.max_queued_requests,
-                                   stream_interval=args.stream_interval)
+    from splitserve.entrypoints.chat_template import load_chat_template
+
+    # Checks the server's flags (ValueError naming the flag) and normalizes them (CORS lists given as JSON).
+    server_args = ServerArgs.from_namespace(args)
+    for f in dataclasses.fields(server_args):
+        setattr(args, f.name, getattr(server_args, f.name))
+    chat_template = load_chat_template(args.chat_template)
+    sock = bind_socket(args.host, args.port)
+    port = sock.getsockname()[1]
+    logger.info("bound %s:%d; loading the model", args.host, port)
+    try:
+        engine = AsyncLLMEngine.launch(EngineArgs.from_namespace(args), max_queued_requests=args.max_queued_requests,
+                                       stream_interval=args.stream_interval)
+    except BaseException:
+        sock.close()
+        raise
+    if chat_template is not None:
+        engine.engine.tokenizer.chat_template = chat_template
     app = build_app(engine, args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                             access_log=not args.disable_access_log, lifespan="on",
                             # uvicorn's own cut-off is only the fallback: ours (at drain_timeout)
                             # ends the remaining streams cleanly, given this grace to flush them.
@@ -262,11 +353,13 @@ def run_server(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         loop.call_later(_CORE_LOST_GRACE_S, setattr, server, "should_exit", True)
     engine.on_core_lost = on_core_lost
-    logger.info("serving %s on http://%s:%d (chat page at /)", engine.engine.model_name, args.host, args.port)
+    names = ", ".join(engine.engine.served_model_names)
+    logger.info("serving %s on http://%s:%d (chat page at /, API docs at /docs)", names, args.host, port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
-        if not engine.closed:  # the server never started (port in use): stop the core too
+        sock.close()
+        if not engine.closed:  # the server never started: stop the core too
             asyncio.run(engine.shutdown())
     if core_lost:
         logger.error("the engine core process is gone; exiting with status 1")

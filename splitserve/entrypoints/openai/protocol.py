@@ -1,7 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2).
 
 Requests accept the OpenAI fields plus the sampling extensions vLLM accepts (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Unknown fields are ignored, as
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, ...).
+Structured outputs come as OpenAI's `response_format` (json_object, json_schema), as vLLM's
+`structured_outputs` object, or as its older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` fields; one request may use one of them. Unknown fields are ignored, as
 OpenAI clients send fields that a server may not know. Types are checked here; ranges are checked by
 SamplingParams, whose errors name the field, so there is one source of truth for what is valid.
 """
@@ -10,10 +13,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer
 from pydantic.types import FailFast
 
-from splitserve.sampling_params import SamplingParams
+from splitserve.models.generation_config import apply_defaults
+from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # n fans a request out into n sequences; a cap keeps one request from flooding the engine.
 MAX_N = 128
@@ -114,31 +118,105 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     user: str | None = None
+    # Structured outputs (see the module's docstring).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's; xgrammar is the one backend
+    # The field the constraint came from, for the `param` of an error found later (an invalid schema).
+    _constraint_field: str = PrivateAttr(default="structured_outputs")
+
+    @property
+    def constraint_field(self) -> str:
+        return self._constraint_field
 
     def _check_common(self) -> None:
         if self.n > MAX_N:
             raise APIError(400, f"n must be <= {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever of its fields names one (at most one)."""
+        sources: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                sources.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise APIError(400, "response_format of type json_schema needs a json_schema object",
+                                   param="response_format")
+                schema = spec.get("schema")
+                if schema is None:  # OpenAI allows a schema-less json_schema: any JSON object
+                    sources.append(("response_format", {"json_object": True}))
+                elif not isinstance(schema, dict):
+                    raise APIError(400, "response_format.json_schema.schema must be a JSON object",
+                                   param="response_format")
+                else:
+                    sources.append(("response_format", {"json": schema}))
+            elif kind not in (None, "text"):
+                raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, "
+                                    f"json_schema)", param="response_format")
+        if self.structured_outputs is not None:
+            so = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            so.pop("backend", None)
+            so.pop("disable_fallback", None)
+            sources.append(("structured_outputs", so))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                sources.append((name, {key: value}))
+        if len(sources) > 1:
+            names = ", ".join(n for n, _ in sources)
+            raise APIError(400, f"give one structured output constraint, got several: {names}", param=sources[1][0])
+        if self.guided_whitespace_pattern is not None:
+            raise APIError(400, "guided_whitespace_pattern is not supported", param="guided_whitespace_pattern")
+        if not sources:
+            return None
+        param, fields = sources[0]
+        self._constraint_field = param
+        known = set(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise APIError(400, f"unknown structured_outputs fields: {', '.join(unknown)}", param=param)
+        try:
+            return StructuredOutputsParams(**fields)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict | None = None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
 
+        # What the request leaves unset comes from the model's generation config (when the server
+        # has one), then from SamplingParams' own defaults.
+        given = apply_defaults(defaults or {}, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens)
         try:
             return SamplingParams(
-                n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+                n=self.n, temperature=given.get("temperature", 1.0), top_p=given.get("top_p", 1.0),
                 # The sampler caps top_k at the vocabulary; capping here keeps it a machine int.
-                top_k=min(pick(self.top_k, 0), _TOP_K_CAP), min_p=pick(self.min_p, 0.0),
+                top_k=min(given.get("top_k", 0), _TOP_K_CAP), min_p=given.get("min_p", 0.0),
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
-                stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                repetition_penalty=given.get("repetition_penalty", 1.0), seed=self.seed, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, max_tokens=given.get("max_tokens"), min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                structured_outputs=self._structured_outputs())
         except ValueError as e:
             message = str(e)
             param = message.split(" ", 1)[0]
@@ -157,13 +235,13 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_common()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a batch), each text or token ids."""
@@ -200,20 +278,16 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by tool_choice.plan_tools
+    parallel_tool_calls: bool | None = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_common()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool calling is not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format other than text is not supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class TokenizeRequest(_Request):
@@ -297,9 +371,42 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)  # OpenAI sends [] when there are none
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One streamed piece of a tool call: id, type and name in the first, argument text after."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -322,6 +429,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
@@ -353,6 +461,7 @@ class ModelCard(BaseModel):
     owned_by: str = "splitserve"
     root: str | None = None
     max_model_len: int | None = None
+    quantization: str | None = None  # which quantization runs (vLLM's name first), None for float weights
 
 
 class ModelList(BaseModel):

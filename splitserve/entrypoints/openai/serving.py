@@ -27,6 +27,8 @@ from splitserve.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse,
     TokenizeRequest, TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo)
+from splitserve.entrypoints.openai import tool_calls_serving as tools_io
+from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES
@@ -42,6 +44,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # tokenizers release the GIL while encoding); short ones stay on the loop, where they cost less than
 # the hop to a thread.
 _INLINE_TEXT_CHARS = 1024
+# Request fields whose errors the engine reports with the field's name first.
+_PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"})
 _TOKENIZE_WORKERS = 4
 
 
@@ -68,12 +72,21 @@ def _sse(payload: str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None = None,
+                 log_requests: bool = False, tool_parser: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        # --served-model-name a b: clients may send any of them; responses name the first.
+        self.served_model_names = tuple(getattr(engine.engine, "served_model_names", None) or (model_name,))
         self.model_root = model_root
+        # The generation config's sampling defaults, for fields a request leaves unset.
+        self.sampling_defaults = dict(getattr(engine.engine, "sampling_defaults", None) or {})
+        self.log_requests = log_requests
+        # --tool-call-parser when --enable-auto-tool-choice is on: reads calls out of `auto` answers.
+        self.tool_parser = tool_parser
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
+        self.quantization = engine.engine.config.model.quantization
         # Vision-language models: the image processor, and what image sources are allowed (build_app
         # replaces the default policy with the server's flags).
         self.mm_processor = getattr(engine.engine, "mm_processor", None)
@@ -87,8 +100,9 @@ class OpenAIServing:
 
     # -- shared ---------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(f"`{n}`" for n in self.served_model_names)
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
 
     async def _off_loop(self, text_chars: int, fn, *args, **kwargs):
@@ -130,7 +144,7 @@ class OpenAIServing:
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, extra: dict | None = None,
-                            tokenize: bool = True) -> list[int] | str:
+                            tokenize: bool = True, tools: list | None = None) -> list[int] | str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
                            param="messages")
@@ -151,22 +165,42 @@ class OpenAIServing:
                         raise APIError(400, f"unsupported content part type {part.type!r}",
                                        param=f"messages[{i}].content")
                 content = "\n".join(texts)
-            conversation.append({"role": m.role, "content": content or ""})
+            conversation.append(template_message(m.role, content or "", m.name, m.model_extra))
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # continuing the last message leaves no room for a new turn
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
-                continue_final_message=continue_final_message, **(extra or {}))
+                continue_final_message=continue_final_message, **({"tools": tools} if tools else {}), **(extra or {}))
         except Exception as e:  # template errors come from user content (roles, ordering)
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
         if not tokenize:
             return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    async def _check_constraint(self, params: SamplingParams, param: str) -> None:
+        """Parses a structured output constraint before the request goes in: a large schema on a worker
+        thread, not on the event loop (the engine's own check then finds it in its cache)."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        from splitserve.structured_output.grammar import check_structured_outputs
+        spec = so.json if so.json is not None else (so.regex or so.grammar or so.choice or "")
+        size = len(spec) if isinstance(spec, str) else len(repr(spec))
+        try:
+            await self._off_loop(size, check_structured_outputs, so)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
     def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
         if not isinstance(prompt, str):
             self._check_length(prompt, param)
+        if self.log_requests:  # never the text: prompts may be private
+            size = f"{len(prompt)} characters" if isinstance(prompt, str) else f"{len(prompt)} tokens"
+            logger.info("request %s: prompt of %s; n=%d temperature=%g top_p=%g top_k=%d min_p=%g "
+                        "repetition_penalty=%g max_tokens=%s seed=%s logprobs=%s", request_id, size, params.n,
+                        params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
+                        params.max_tokens, params.seed, params.logprobs)
         try:
             return self.engine.add_request(request_id, prompt, params)
         except EngineOverloadedError as e:
@@ -175,8 +209,11 @@ class OpenAIServing:
             raise overloaded(str(e)) from None
         except ValueError as e:
             message = str(e)
+            first = message.split(" ", 1)[0].rstrip(":.")
             if message.startswith("n must"):
                 param = "n"
+            elif first in _PARAM_ERRORS:
+                param = first
             elif "max_tokens" in message:
                 param = "max_tokens"
             raise APIError(400, message, param=param) from None
@@ -337,7 +374,8 @@ class OpenAIServing:
     # -- /v1/completions ------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
+        await self._check_constraint(params, req.constraint_field)
         prompts = req.prompts()
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
@@ -409,30 +447,36 @@ class OpenAIServing:
     # -- /v1/chat/completions -------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.sampling_defaults)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        params = tools_io.constrain(plan, params, self.tool_parser)
+        await tools_io.check_tools(self, plan)
+        await self._check_constraint(params, "tools" if tools_io.constrained(plan) else req.constraint_field)
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
         prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
                                       self.apply_chat_template, req.messages, req.add_generation_prompt,
-                                      req.continue_final_message, req.chat_template_kwargs, tokenize=not sources)
+                                      req.continue_final_message, req.chat_template_kwargs, tokenize=not sources,
+                                      tools=req.tools)
         if sources:
             prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, [prompt], params, "messages")
         top_k = req.top_logprobs or 0
         if req.stream:
-            return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k), streams)
+            return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k, plan), streams)
         final = (await self._collect(raw, streams))[0]
         choices = []
         for o in final.outputs:
             lp = self._chat_logprobs(o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
-            choices.append(ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=lp,
-                                      finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            message, finish = tools_io.message_out(plan, self.tool_parser, o.text, o.finish_reason)
+            choices.append(ChatChoice(index=o.index, message=message, logprobs=lp,
+                                      finish_reason=finish, stop_reason=o.stop_reason))
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage([final]))
         return json_response(body)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                           params: SamplingParams, top_k: int) -> AsyncIterator[str]:
+                           params: SamplingParams, top_k: int, plan=None) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
         finished: set[int] = set()
         final: RequestOutput | None = None
@@ -447,6 +491,9 @@ class OpenAIServing:
         # The role comes first, at once, as OpenAI does: clients see the stream open before prefill.
         for j in range(params.n):
             yield chunk(j, DeltaMessage(role="assistant", content=""))
+        # Per choice: turns text deltas into content and tool-call deltas (None: plain text).
+        tool_streams = {j: tools_io.ToolDeltas(plan, self.tool_parser) for j in range(params.n)} \
+            if tools_io.reads_calls(plan, self.tool_parser) else {}
         async for _, out in self._merge([stream]):
             if out.finished:
                 final = out
@@ -462,6 +509,13 @@ class OpenAIServing:
                 if finish is not None:
                     finished.add(o.index)
                 delta = DeltaMessage(content=o.delta_text) if (o.delta_token_ids or lp is not None) else DeltaMessage()
+                if o.index in tool_streams:
+                    deltas, finish = tool_streams[o.index].step(o.delta_text, finish)
+                    if finish is None and not deltas and lp is None:
+                        continue
+                    for extra in deltas[:-1]:  # several pieces in one step: one event each
+                        yield chunk(o.index, extra)
+                    delta = deltas[-1] if deltas else DeltaMessage()
                 yield chunk(o.index, delta, finish, lp, o.stop_reason if finish else None)
         if req.include_usage and final is not None:
             body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],

@@ -1,0 +1,79 @@
+"""What structured outputs cost: offline LLM.generate throughput with none vs a share of the requests
+constrained by a JSON schema.
+
+    python benchmarks/structured_overhead.py                          # default model, CPU-sized run
+    python benchmarks/structured_overhead.py --model <dir> --num-prompts 1024 --input-len 256 \\
+        --output-len 256 --fraction 0.25                               # the GPU run for BENCHMARKS.md
+
+Every request generates exactly --output-len tokens, so the runs do the same model work: plain
+requests ignore EOS, and constrained ones follow a schema (an array of at least 200 short strings)
+that cannot end sooner. The constrained requests are spread evenly through the batch. Prints output
+tokens/s of each run (best of --repeats, after a warm-up run) and the relative cost.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from splitserve import LLM, SamplingParams
+from splitserve.sampling_params import StructuredOutputsParams
+
+LONG_ARRAY = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 200}
+
+
+def build_requests(llm: LLM, args, fraction: float) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = np.random.default_rng(0)
+    vocab = len(llm.tokenizer)
+    prompts = [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(args.num_prompts)]
+    plain = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    constrained = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                                 structured_outputs=StructuredOutputsParams(json=LONG_ARRAY))
+    num_constrained = round(fraction * args.num_prompts)
+    marked = set(np.linspace(0, args.num_prompts, num_constrained, endpoint=False).astype(int).tolist()) \
+        if num_constrained else set()
+    return prompts, [constrained if i in marked else plain for i in range(args.num_prompts)]
+
+
+def run(llm: LLM, prompts, params) -> tuple[float, int]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return elapsed, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path (default: the default SmolLM2 GGUF)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--fraction", type=float, default=0.25, help="share of constrained requests")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    args = ap.parse_args()
+
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, async_scheduling=args.async_scheduling)
+    results = {}
+    for fraction in (0.0, args.fraction):
+        prompts, params = build_requests(llm, args, fraction)
+        run(llm, prompts[:max(8, args.num_prompts // 8)], params[:max(8, args.num_prompts // 8)])  # warm-up, compiles
+        best = None
+        for _ in range(args.repeats):
+            elapsed, tokens = run(llm, prompts, params)
+            assert tokens == args.num_prompts * args.output_len, "a request ended before --output-len"
+            best = elapsed if best is None else min(best, elapsed)
+        results[fraction] = tokens / best
+        print(f"constrained {fraction:4.0%}: {tokens} output tokens in {best:.2f} s = {tokens / best:,.0f} tok/s",
+              flush=True)
+    base, constrained = results[0.0], results[args.fraction]
+    print(f"structured outputs at {args.fraction:.0%} of requests cost {100 * (1 - constrained / base):.1f}% "
+          f"of the throughput")
+
+
+if __name__ == "__main__":
+    main()

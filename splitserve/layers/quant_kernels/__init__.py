@@ -1,0 +1,9 @@
+"""Quantized GEMM kernels (Triton) for the linear layers' quantization methods.
+
+- fp8_gemm.py: W8A8 FP8 (e4m3) for few-token shapes, activation quantization, fp8_linear (dispatcher).
+- wna16_gemm.py: weight-only int4 / int8 with group scales and zero points, wna16_linear (dispatcher).
+- wna16_layout.py: the canonical packed int layout and conversions from GPTQ / AWQ / compressed-tensors.
+- reference.py: plain torch definitions (the tests' references and the CPU path).
+
+Triton is imported lazily by the kernel modules; importing this package imports nothing heavy.
+"""

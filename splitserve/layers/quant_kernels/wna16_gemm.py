@@ -1,0 +1,271 @@
+"""Weight-only int4 / int8 GEMM (W4A16, W8A16) with group-wise scales and optional zero points.
+
+    out[M, N] = x[M, K] @ W.T (+ bias),  W[n, perm[k]] = (q[n, k] - zero[k // G, n]) * scale[k // G, n]
+
+with the weight in the canonical packed layout of wna16_layout.py (qweight int32 [K // P, N]).
+
+The kernel dequantizes inside the K loop and keeps the per-element work to unpacking: the unsigned
+value q is turned into a 16-bit float by OR-ing it into the mantissa of a power of two (0x4300 is
+bf16 128.0, so q | 0x4300 is exactly 128 + q; fp16 uses 1024.0), and that tile goes to the tensor
+cores as it is. For 4 bits the canonical value order lets one AND-OR make two such floats at once
+in a 32-bit word ((w >> 4s) & 0x000F000F | 0x43004300); in SASS the tile then stays in registers
+(~260 instructions per KB of int4 weights per warp against ~355 unpacking value by value, which
+stored each value to shared memory; compiled with benchmarks/quant_kernels_compile.py). The offset, the zero point and the scale are constant over a K tile (BLOCK_K divides
+G), so they are applied to the tile's [BLOCK_M, BLOCK_N] product instead of to every weight:
+
+    sum_k x[m, k] * (q - z) * s = s * (dot(x, 128 + q) - rowsum(x) * (128 + z))
+
+For few tokens the grid is N tiles x split-K slices (finished in one launch, _split_k.py). The
+same kernel runs prefill sizes with large M tiles, but measured slower than dequantizing the weight
+to a temporary dense matrix for cuBLAS, which wna16_linear does past WNA16_SPLIT_K_MAX_M tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
+from splitserve.layers.quant_kernels.wna16_layout import check_canonical
+
+# wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
+# WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
+# H100 that beat the kernel's large-tile path (14.9 against 31.4 ms for the 8B step at 256 tokens,
+# 53 against 164 ms at 2048, BENCHMARKS.md), so the tiled path is only reachable through
+# wna16_gemm(config=...) until it is made faster.
+WNA16_SPLIT_K_MAX_M = 64
+WNA16_DEQUANT_MIN_M = 65
+
+# 16-bit float whose mantissa holds q exactly when q is OR-ed into its low bits: (bit pattern, value)
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+@triton.jit
+def _group_row(ptr, k, num_groups, N, cols, GROUP: tl.constexpr):
+    """Row [K // G, N] of the group holding K index k (clamped to the last group), as fp32."""
+    return tl.load(ptr + tl.minimum(k // GROUP, num_groups - 1) * N + cols).to(tl.float32)
+
+
+@triton.jit
+def _wna16_kernel(
+    a_ptr, perm_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, k_per_split, num_splits, K, stride_am, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, UNPACK_BCAST: tl.constexpr,
+    PAIRS: tl.constexpr, MAGIC2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT_K: tl.constexpr,
+):
+    P: tl.constexpr = 32 // BITS
+    QMASK: tl.constexpr = (1 << BITS) - 1
+    ZERO_SYM: tl.constexpr = 1 << (BITS - 1)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = (offs_m % M).to(tl.int64)
+    cols = offs_n % N  # past N: a valid column again; the store masks it
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    a_dtype = a_ptr.dtype.element_ty
+    num_groups = K // GROUP
+    # Scales and zero points are plain loads (not tensor-core operands), which Triton's pipeliner
+    # leaves synchronous: each K step would wait a full memory latency for them (measured: 0.5-0.75
+    # TB/s). They are fetched two K tiles ahead instead.
+    s_cur = _group_row(s_ptr, k_start, num_groups, N, cols, GROUP)
+    s_nxt = _group_row(s_ptr, k_start + BLOCK_K, num_groups, N, cols, GROUP)
+    if HAS_ZERO:
+        z_cur = _group_row(z_ptr, k_start, num_groups, N, cols, GROUP)
+        z_nxt = _group_row(z_ptr, k_start + BLOCK_K, num_groups, N, cols, GROUP)
+    else:
+        z_cur = tl.full([BLOCK_N], ZERO_SYM, tl.float32)
+        z_nxt = z_cur
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        s_pf = _group_row(s_ptr, k0 + 2 * BLOCK_K, num_groups, N, cols, GROUP)
+        if HAS_ZERO:
+            z_pf = _group_row(z_ptr, k0 + 2 * BLOCK_K, num_groups, N, cols, GROUP)
+        else:
+            z_pf = z_cur
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if PAIRS:
+            # 4-bit canonical order: (w >> 4s) & 0x000F000F holds K offsets 2s and 2s + 1, and one
+            # OR makes them two 16-bit floats (OFFSET + q); the halves are split and interleaved
+            # back into K order. Everything stays in registers (no per-value shared-memory store).
+            offs_w = (k0 // P + tl.arange(0, BLOCK_K // P)).to(tl.int64)
+            words = tl.load(qw_ptr + offs_w[:, None] * N + cols[None, :])
+            pairs = ((words[:, None, :] >> (tl.arange(0, 4) * 4)[None, :, None]) & 0x000F000F) | MAGIC2
+            lo = pairs.to(tl.int16)
+            hi = (pairs >> 16).to(tl.int16)
+            b = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_K, BLOCK_N))
+            b = b.to(a_dtype, bitcast=True)
+        else:
+            if UNPACK_BCAST:
+                # each element loads its own word (the L1 serves the repeats)
+                r = offs_k % P
+                pos = (r // 2 + (r % 2) * 4) if BITS == 4 else r  # value position of K offset r
+                words = tl.load(qw_ptr + (offs_k // P).to(tl.int64)[:, None] * N + cols[None, :])
+                q = (words >> (pos * BITS)[:, None]) & QMASK
+            else:  # 8-bit, natural order
+                offs_w = (k0 // P + tl.arange(0, BLOCK_K // P)).to(tl.int64)
+                words = tl.load(qw_ptr + offs_w[:, None] * N + cols[None, :])
+                q = (words[:, None, :] >> (tl.arange(0, P) * BITS)[None, :, None]) & QMASK
+                q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+            if MAGIC != 0:
+                b = (q | MAGIC).to(tl.int16).to(a_dtype, bitcast=True)  # exactly OFFSET + q
+            else:
+                b = q.to(tl.float32).to(a_dtype)                      # exactly q (OFFSET is 0)
+        if HAS_PERM:
+            cols_a = tl.load(perm_ptr + offs_k)
+        else:
+            cols_a = offs_k
+        a = tl.load(a_ptr + rows_a[:, None] * stride_am + cols_a[None, :])
+        part = tl.dot(a, b)
+        a_sum = tl.sum(a.to(tl.float32), axis=1)
+        acc += (part - a_sum[:, None] * (z_cur + OFFSET)[None, :]) * s_cur[None, :]
+        s_cur, s_nxt = s_nxt, s_pf
+        z_cur, z_nxt = z_nxt, z_pf
+    split_k_epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, count_ptr, bias_ptr,
+                     pid, pid_k, num_splits, HAS_BIAS, USE_SPLIT_K)
+
+
+@triton.jit
+def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, BITS: tl.constexpr, GROUP: tl.constexpr,
+                          HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # out [K, N] (N contiguous, like qweight) = (q - zero) * scale
+    P: tl.constexpr = 32 // BITS
+    ZERO_SYM: tl.constexpr = 1 << (BITS - 1)
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n[None, :] < N
+    words = tl.load(qw_ptr + (offs_k // P).to(tl.int64)[:, None] * N + offs_n[None, :], mask=mask)
+    r = offs_k % P
+    pos = (r // 2 + (r % 2) * 4) if BITS == 4 else r  # value position of K offset r (canonical order)
+    q = ((words >> (pos * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+    g = (offs_k // GROUP)[:, None] * N + offs_n[None, :]
+    s = tl.load(s_ptr + g, mask=mask).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g, mask=mask).to(tl.float32)
+    else:
+        z = tl.full([BLOCK_K, BLOCK_N], ZERO_SYM, tl.float32)
+    tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :],
+             ((q - z) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class WNA16Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    unpack_bcast: bool = False
+
+
+def default_wna16_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132) -> WNA16Config:
+    """Tile choice (H100 sweep of the 8B shapes, BENCHMARKS.md). block_k divides the group size."""
+    block_k = _largest_pow2_divisor(group_size, 128)
+    if M <= 16:
+        return WNA16Config(16, 64, block_k, split_k_for(M, N, K, 16, 64, block_k, num_sms, 2.9), 4, 5)
+    if M <= WNA16_SPLIT_K_MAX_M:
+        block_m = 32 if M <= 32 else 64
+        return WNA16Config(block_m, 128, block_k, split_k_for(M, N, K, block_m, 128, block_k, num_sms), 4, 3)
+    block_m = 64 if M <= 128 else 128
+    return WNA16Config(block_m, 128, _largest_pow2_divisor(group_size, 64), 1, num_warps=8 if block_m == 128 else 4,
+                       num_stages=3)
+
+
+def _largest_pow2_divisor(g: int, cap: int) -> int:
+    b = cap
+    while b > 16 and g % b:
+        b //= 2
+    if g % b:
+        raise ValueError(f"group size {g} is not a multiple of 16")
+    return b
+
+
+def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               *, bits: int, group_size: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               config: WNA16Config | None = None) -> torch.Tensor:
+    """The Triton kernel: x bf16/fp16 [M, K] times the canonical weight -> [M, N] in x's dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    if x.dtype not in _MAGIC:
+        raise ValueError(f"activations must be bfloat16 or float16, got {x.dtype}")
+    check_canonical(qweight, scales, zeros, bits, group_size, perm)
+    M, K = x.shape
+    N = qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != K:
+        raise ValueError(f"x has K={K} but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * (32 // bits)}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must have shape [{N}], got {tuple(bias.shape)}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config or default_wna16_config(M, N, K, group_size, num_sms(x.device))
+    if group_size % cfg.block_k or cfg.block_k % (32 // bits):
+        raise ValueError(f"block_k={cfg.block_k} must divide group_size={group_size} and hold whole words")
+    # 8-bit values do not fit bf16's mantissa above 128 + 127: they convert through fp32 instead.
+    magic, offset = _MAGIC[x.dtype] if (bits == 4 or x.dtype == torch.float16) else (0, 0.0)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    num_splits = triton.cdiv(K, k_per_split)
+    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    use_split = num_splits > 1
+    if use_split:
+        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, num_tiles)
+    else:
+        part = counters = out
+    _wna16_kernel[(num_tiles, num_splits)](
+        x, perm if perm is not None else out, qweight, scales, zeros if zeros is not None else out,
+        bias if bias is not None else out, out, part, counters,
+        M, N, k_per_split, num_splits, K, x.stride(0), out.stride(0),
+        BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None, MAGIC=magic, OFFSET=offset, UNPACK_BCAST=cfg.unpack_bcast,
+        PAIRS=bits == 4 and magic != 0 and not cfg.unpack_bcast, MAGIC2=magic | (magic << 16),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT_K=use_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, bits: int,
+                     group_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense weight transposed, [K, N] in packed K order (Triton)."""
+    check_canonical(qweight, scales, zeros, bits, group_size)
+    K, N = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    out = torch.empty((K, N), dtype=dtype, device=qweight.device)
+    block_k = _largest_pow2_divisor(K, 64) if K % 16 == 0 else None
+    if block_k is None:
+        raise ValueError(f"K={K} must be a multiple of 16")
+    _wna16_dequant_kernel[(K // block_k, triton.cdiv(N, 128))](
+        qweight, scales, zeros if zeros is not None else out, out, N, BITS=bits, GROUP=group_size,
+        HAS_ZERO=zeros is not None, BLOCK_K=block_k, BLOCK_N=128)
+    return out
+
+
+def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 *, bits: int, group_size: int, perm: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias for x [..., K]: the entry the linear layers call (module docstring).
+    Off CUDA (CPU tests) the torch reference computes the same function."""
+    from splitserve.layers.quant_kernels import reference
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M, N = x2.shape[0], qweight.shape[1]
+    if x.device.type != "cuda":
+        out = reference.wna16_gemm_ref(x2, qweight, scales, zeros, bits=bits, group_size=group_size,
+                                       perm=perm, bias=bias).to(x.dtype)
+    elif M < WNA16_DEQUANT_MIN_M:
+        out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
+    else:
+        w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
+        xp = x2 if perm is None else x2.index_select(1, perm)
+        out = torch.mm(xp, w_kn) if bias is None else torch.addmm(bias, xp, w_kn)
+    return out.reshape(*lead, N)

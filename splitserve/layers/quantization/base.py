@@ -1,0 +1,197 @@
+"""The seam between a linear layer and its quantization method.
+
+A `Linear` (or `MergedLinear`) owns no weights of its own: its method creates them
+(`create_weights`), places each checkpoint tensor in them (`load`, shard-aware), converts them once
+loading is done (`process_weights_after_loading`), and computes the layer (`apply`). The plain
+float path is `UnquantizedLinearMethod`: a `weight` parameter and `F.linear`, exactly as before.
+
+Shard-aware loading is data, not code: each parameter a method registers has a `ParamLayout`
+saying which of its dimensions runs along the layer's output features (and how many output
+features one stored element holds: a packed int4 word holds 8, a 128x128 weight block's scale
+128), or that it holds one value per merged shard (per-tensor scales, which differ per shard).
+`load_param` then narrows the parameter to the shard's rows. A W4A16 method (packed `qweight`,
+group `scales`, packed `qzeros`, `g_idx`) declares its parameters with layouts and needs no loader
+of its own.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.layers.cpu_gemm import linear
+
+
+class UnclaimedTensorError(ValueError):
+    """A checkpoint tensor that no parameter of the layer (and so no method) takes. The model's
+    loader re-raises it naming the checkpoint tensor."""
+
+    def __init__(self, param_name: str, method: "LinearMethod"):
+        super().__init__(f"no parameter {param_name!r} in this layer (quantization: {method.describe()})")
+        self.param_name = param_name
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a method's parameter lines up with the layer's output features (see the module doc).
+
+    output_dim: the dimension that runs along output features (shards are cut there); None for a
+      parameter every shard shares whole (an input-side permutation such as GPTQ's g_idx: each
+      shard's copy must be the same).
+    pack_factor: output features per stored element along output_dim (8 for int4 packed in int32,
+      the block height for block scales); a shard starts at offset // pack_factor.
+    per_shard: one value per merged shard (a per-tensor scale); the parameter is [num_shards].
+    """
+    output_dim: int | None = 0
+    pack_factor: int = 1
+    per_shard: bool = False
+
+
+def register_param(layer: nn.Module, name: str, tensor: torch.Tensor, layout: ParamLayout) -> nn.Parameter:
+    param = nn.Parameter(tensor, requires_grad=False)
+    layer.register_parameter(name, param)
+    layer.param_layouts[name] = layout
+    return param
+
+
+def replace_param(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """After loading: swap a parameter for its converted form (its layout no longer matters)."""
+    if name in layer._parameters:
+        del layer._parameters[name]
+    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_param(layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None,
+               method: "LinearMethod") -> None:
+    """Copies one checkpoint tensor into the parameter `name`, or into its shard's part."""
+    param = layer._parameters.get(name)
+    layout = layer.param_layouts.get(name)
+    if param is None or layout is None:
+        raise UnclaimedTensorError(name, method)
+    dest = param.data
+    shard_names = list(layer.shard_offsets)
+    if layout.per_shard:
+        if tensor.numel() != 1:
+            raise ValueError(f"{name}: expected one value per shard, got shape {tuple(tensor.shape)}")
+        if shard is None:
+            dest.fill_(tensor.reshape(()).item())  # one value for the whole (possibly merged) layer
+        else:
+            dest[shard_names.index(shard)].copy_(tensor.reshape(()))
+        return
+    if shard is not None and layout.output_dim is not None:
+        offset, size = layer.shard_offsets[shard]
+        pf = layout.pack_factor
+        if offset % pf:
+            raise ValueError(f"{name}: shard {shard!r} starts at output feature {offset}, not a multiple of "
+                             f"{pf} (the parameter stores {pf} output features per element)")
+        dest = dest.narrow(layout.output_dim, offset // pf, math.ceil(size / pf))
+    if dest.shape != tensor.shape:
+        if dest.numel() == tensor.numel() and dest.dim() != tensor.dim():
+            tensor = tensor.reshape(dest.shape)  # [N] vs [N, 1] scale spellings of the same values
+        else:
+            where = f" (shard {shard!r})" if shard is not None else ""
+            raise ValueError(f"{name}{where}: checkpoint shape {tuple(tensor.shape)} does not match "
+                             f"{tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+class LinearMethod:
+    """How a linear layer stores, loads and computes its weights. One instance may serve many
+    layers (all state lives on the layer), so compiled code sees the same object in every layer."""
+
+    #: vLLM's name of the quantization this method belongs to (None: unquantized)
+    quantization: str | None = None
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Registers the layer's parameters (`register_param`); `layer.in_features`,
+        `layer.out_features`, `layer.shard_offsets` and `layer.params_dtype` are set."""
+        raise NotImplementedError
+
+    def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None) -> None:
+        """Places one checkpoint tensor (the part after the module name, e.g. `weight_scale`);
+        raises UnclaimedTensorError for a name the method does not take."""
+        load_param(layer, name, tensor, shard, self)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Once every tensor is in: quantize online, merge per-shard scales, pick the matmul."""
+
+    def init_random(self, layer: nn.Module, generator: torch.Generator) -> None:
+        """Random weights (benchmarks without a checkpoint) for parameters that a plain N(0, 0.02)
+        draw cannot fill (quantized storage, scales). Float weights are already drawn."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.quantization or "unquantized"
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The model's own float weights: `weight` [out, in] (and the layer's `bias`), `F.linear`."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        register_param(layer, "weight", torch.empty(layer.out_features, layer.in_features, dtype=layer.params_dtype),
+                       ParamLayout(output_dim=0))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, layer.weight, layer.bias)  # F.linear; column blocks on CPU where faster
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+class QuantConfig:
+    """A checkpoint's (or the `--quantization` flag's) quantization: which method each linear
+    layer gets, by the checkpoint names of the modules it stands for."""
+
+    #: vLLM's name: "fp8", "compressed-tensors", "modelopt", ...
+    name: str = ""
+
+    def linear_method(self, names: list[str]) -> LinearMethod:
+        """The method for a layer standing for the checkpoint modules `names` (one per shard of a
+        merged layer; all must resolve to the same method)."""
+        raise NotImplementedError
+
+    def skip_tensor(self, name: str) -> bool:
+        """True for checkpoint tensors the format carries that the engine deliberately leaves
+        unused (say, KV-cache scales while the KV cache is not quantized)."""
+        return False
+
+    def describe(self) -> str:
+        return self.name
+
+
+_WRAPPERS = re.compile(r"(^|\.)(model|language_model)(?=\.)")
+
+
+def name_variants(name: str) -> tuple[str, ...]:
+    """The spellings of one module's checkpoint name that quantization configs use: as the model
+    code names it (transformers' module names: `model.language_model.layers.0.mlp.down_proj`,
+    `lm_head`) and without the `model.` / `language_model.` wrappers that differ between
+    transformers versions and tools (`language_model.lm_head`, `language_model.model.layers...`
+    and `layers...` are the same modules)."""
+    bare = _WRAPPERS.sub("", name).lstrip(".")
+    return (name,) if bare == name else (name, bare)
+
+
+def names_match(name: str, entry: str) -> bool:
+    """An exact-name config entry (ignore list, exclude list) names this module, in any spelling."""
+    return bool(set(name_variants(name)) & set(name_variants(entry)))
+
+
+def same_method(methods: list[LinearMethod], names: list[str]) -> LinearMethod:
+    """A merged layer runs one matmul, so its shards must be quantized alike."""
+    if any(m is not methods[0] for m in methods):
+        detail = ", ".join(f"{n}: {m.describe()}" for n, m in zip(names, methods))
+        raise ValueError(f"the shards of one merged layer are quantized differently ({detail}); "
+                         f"splitserve runs them as one matmul and needs them alike")
+    return methods[0]
+
+
+def method_for(quant_config: QuantConfig | None, *names: str) -> LinearMethod:
+    """What model code calls: the method of the layer standing for the checkpoint modules `names`."""
+    return UNQUANTIZED if quant_config is None else quant_config.linear_method(list(names))

@@ -1,0 +1,119 @@
+"""W8A8 INT8 linear layers (SmoothQuant-style, as llm-compressor writes them with compressed-tensors):
+symmetric int8 weights with a scale per output channel (or per tensor, one per merged shard) and
+int8 activations with a dynamic scale per token (or one static per-tensor scale). The smoothing
+itself is already folded into the weights and the preceding norms, so serving needs nothing else.
+
+On CPU the layer is emulated (activations quantized as on the GPU, both sides dequantized, float32
+matmul). `Int8LinearMethod.gpu_matmul` is where the GPU matmul is chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.layers.quantization import ops
+from splitserve.layers.quantization.base import LinearMethod, ParamLayout, register_param, replace_param
+
+# torch._int_mm on CUDA takes more than 16 rows; fewer tokens run padded by this many zero rows.
+_INT_MM_PAD_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Int8Scheme:
+    weights: str        # "channel" | "tensor"
+    activations: str    # "token" (dynamic) | "static"
+    zero_points: bool = False
+
+    def __post_init__(self):
+        if self.weights not in ("channel", "tensor") or self.activations not in ("token", "static"):
+            raise ValueError(f"unsupported W8A8 INT8 scheme: weights {self.weights!r}, activations {self.activations!r}")
+
+    def describe(self) -> str:
+        a = "dynamic per-token" if self.activations == "token" else "static per-tensor"
+        return f"W8A8 INT8, per-{self.weights} weights, {a} activations"
+
+
+class Int8LinearMethod(LinearMethod):
+    def __init__(self, quantization: str, scheme: Int8Scheme):
+        self.quantization = quantization
+        self.scheme = scheme
+
+    def describe(self) -> str:
+        return f"{self.quantization}: {self.scheme.describe()}"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        n, k = layer.out_features, layer.in_features
+        num_shards = max(1, len(layer.shard_offsets))
+        register_param(layer, "weight", torch.empty(n, k, dtype=torch.int8), ParamLayout(output_dim=0))
+        if self.scheme.weights == "channel":
+            register_param(layer, "weight_scale", torch.ones(n, 1, dtype=torch.float32), ParamLayout(output_dim=0))
+        else:
+            register_param(layer, "weight_scale", torch.ones(num_shards, dtype=torch.float32), ParamLayout(per_shard=True))
+        if self.scheme.activations == "static":
+            register_param(layer, "input_scale", torch.ones(num_shards, dtype=torch.float32), ParamLayout(per_shard=True))
+
+    def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None) -> None:
+        if self.scheme.zero_points and name in ("weight_zero_point", "input_zero_point"):
+            if torch.count_nonzero(tensor):
+                raise ValueError(f"{name}: nonzero zero points (asymmetric INT8) are not supported")
+            return
+        super().load(layer, name, tensor, shard)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.scheme.weights == "tensor":
+            scale = ops.per_shard_to_per_channel(layer.weight_scale.data, layer.shard_offsets, layer.out_features)
+        else:
+            scale = layer.weight_scale.data.reshape(-1).float().contiguous()
+        replace_param(layer, "weight_scale", scale)
+        if self.scheme.activations == "static":
+            replace_param(layer, "input_scale", layer.input_scale.data.max().reshape(1))
+        device = layer.weight.device
+        layer.quant_compute_dtype = torch.float32 if device.type == "cpu" else layer.params_dtype
+        layer.int8_int_mm = device.type == "cuda" and layer.in_features % 8 == 0 and layer.out_features % 8 == 0
+
+    def init_random(self, layer: nn.Module, generator: torch.Generator) -> None:
+        w = torch.empty(layer.out_features, layer.in_features, device=layer.weight.device)
+        w.normal_(0.0, 0.02, generator=generator)
+        q, scale = ops.int8_quantize_weight_per_channel(w)
+        if self.scheme.weights == "tensor":
+            scale = scale.max().expand(layer.weight_scale.shape)
+            q = ops.int8_quantize(w, scale[0])
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape))
+        if self.scheme.activations == "static":
+            layer.input_scale.data.fill_(4.0 / ops.INT8_HALF_RANGE)
+
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scheme.activations == "static":
+            return ops.int8_quantize(x, layer.input_scale), layer.input_scale
+        return ops.int8_quantize_per_token(x)
+
+    def emulated_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        dt = layer.quant_compute_dtype
+        q, scale = self.quantize_input(layer, x)
+        w = layer.weight.float() * layer.weight_scale.unsqueeze(1)
+        bias = None if layer.bias is None else layer.bias.to(dt)
+        return F.linear((q.float() * scale).to(dt), w.to(dt), bias)
+
+    def gpu_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """KERNEL PLUG-IN POINT (W8A8 INT8 on the GPU): [M, K] activations -> [M, N].
+
+        torch._int_mm (int8 x int8 -> int32, exact), then both scales. It needs more than 16 rows,
+        so the activations always carry 16 zero rows more (no branch on the token count: one
+        compiled graph for every size); a few-token kernel goes here."""
+        q, scale = self.quantize_input(layer, x)
+        m = q.shape[0]
+        q = F.pad(q, (0, 0, 0, _INT_MM_PAD_ROWS))
+        acc = torch._int_mm(q, layer.weight.t())[:m]
+        out = acc.float() * scale * layer.weight_scale
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        out = self.gpu_matmul(layer, x2) if layer.int8_int_mm else self.emulated_matmul(layer, x2)
+        return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)

@@ -1,0 +1,83 @@
+"""The engine core's grammar state, on the default model's tokenizer, with plain request objects."""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from splitserve.core.sched_output import SchedulerOutput
+from splitserve.models.resolve import load_tokenizer
+from splitserve.request import Request
+from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
+from splitserve.structured_output.manager import StructuredOutputManager
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def request(rid: str, **so) -> Request:
+    return Request(rid, [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(**so)), (2,), 100)
+
+
+def wait_ready(manager, req, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not manager.is_ready(req):
+        assert time.monotonic() < deadline, "grammar did not compile"
+        manager.wait_for_compiles(0.05)
+
+
+def allowed(bitmask_row: torch.Tensor, vocab: int) -> set[int]:
+    bits = np.unpackbits(bitmask_row.numpy().view(np.uint8), bitorder="little")[:vocab]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_masks_follow_the_grammar_and_never_allow_padding_ids(tokenizer):
+    """The model's vocabulary is wider than the tokenizer's (37 padding ids): they are never allowed,
+    even by a grammar that allows almost anything."""
+    vocab = len(tokenizer) + 37
+    manager = StructuredOutputManager(vocab, (2,), lambda: tokenizer)
+    assert manager.bitmask_words == -(-vocab // 32)
+    digits = request("d", regex="[0-9]{2}")
+    anything = request("a", regex="(.|\n)+")
+    for r in (digits, anything):
+        manager.register(r)
+        wait_ready(manager, r)
+    sched = SchedulerOutput(num_scheduled_tokens={"d": 2, "a": 2, "other": 1})
+    step = manager.step_bitmask(sched, lambda req, n: True)
+    assert step.req_ids == ["d", "a"] and step.bitmask.shape == (2, manager.bitmask_words)
+    digit_ids = {i for i in range(len(tokenizer)) if tokenizer.decode([i]) and tokenizer.decode([i]).isdigit()
+                 and len(tokenizer.decode([i])) <= 2}
+    first = allowed(step.bitmask[0], vocab)
+    assert first and first <= digit_ids
+    wide = allowed(step.bitmask[1], vocab)
+    assert len(wide) > len(tokenizer) // 2 and max(wide) < len(tokenizer)
+    # Two digits, then only the stop token; accepting it ends the grammar.
+    one = tokenizer.encode("7", add_special_tokens=False)[0]
+    assert not manager.accept_token(digits, one) and not manager.accept_token(digits, one)
+    step = manager.step_bitmask(SchedulerOutput(num_scheduled_tokens={"d": 1}), lambda req, n: True)
+    assert allowed(step.bitmask[0], vocab) == {2}
+    assert manager.accept_token(digits, 2)
+
+
+def test_equal_constraints_share_one_compile_and_failures_are_reported(tokenizer):
+    manager = StructuredOutputManager(len(tokenizer), (2,), lambda: tokenizer)
+    a, b = request("a", json={"type": "integer"}), request("b", json='{"type":"integer"}')
+    manager.register(a)
+    manager.register(b)
+    assert a.grammar.future is b.grammar.future
+    bad = Request("x", [1], SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= nope")), (2,), 10)
+    manager.register(bad)
+    wait_ready(manager, a)
+    deadline = time.monotonic() + 30
+    while not bad.grammar.future.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not manager.is_ready(bad)
+    [(req, reason)] = manager.take_failed()
+    assert req is bad and 'Rule "nope" is not defined' in reason
+    assert manager.step_bitmask(SchedulerOutput(num_scheduled_tokens={"zzz": 1}), lambda r, n: True) is None
+    manager.release(a)
+    manager.release(b)
+    assert not manager.live
