@@ -47,6 +47,7 @@ class LoRAManager:
         self.pins: Counter[int] = Counter()                  # adapter id -> running requests
         self._loads: list[LoRASlotLoad] = []
         self.requests_total: Counter[str] = Counter()        # adapter name -> requests admitted
+        self.num_slot_loads = 0                              # adapters put into a slot (evictions + first loads)
 
     # -- host memory ------------------------------------------------------------------------------
     def _load(self, lora: LoRARequest) -> LoRAAdapter:
@@ -130,6 +131,7 @@ class LoRAManager:
             self.slots[slot] = lid
             self._slot_of[lid] = slot
             self._loads.append(LoRASlotLoad(slot, lid, lora.lora_path))
+            self.num_slot_loads += 1
         self._slot_lru.move_to_end(slot)
         if lid in self._host:
             self._host.move_to_end(lid)

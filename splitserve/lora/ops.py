@@ -79,11 +79,11 @@ def lora_expand_ref_(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, b
 
 
 def lora_add_impl(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  shard_sizes: list[int], rank: int, batch: LoRABatch) -> None:
+                  shard_sizes: list[int], rank: int, batch: LoRABatch, use_kernels: bool | None = None) -> None:
     """out += delta. A merged layer (shards along out) has its shards' A stacked along the rank
     ([S, shards * rank, in]) and one B [S, out, rank]: shard i reads y[:, i*rank:(i+1)*rank] and
     writes its own output columns."""
-    use_kernels = out.is_cuda
+    use_kernels = out.is_cuda if use_kernels is None else use_kernels
     if use_kernels:
         from splitserve.lora import kernels
         args = (batch.sorted_tokens, batch.seg_starts, batch.seg_slots, len(batch.seg_bounds), batch.max_seg_len)
