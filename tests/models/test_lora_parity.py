@@ -110,7 +110,7 @@ def test_default_model_mixed_adapters_match_peft(tmp_path):
     from transformers import AutoModelForCausalLM
     src = default_model_source()
     hf = AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file, dtype=torch.float32).eval()
-    loras, refs = build_case(hf, tmp_path, 200, 0.03)
+    loras, refs = build_case(hf, tmp_path, 200, 0.07)
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=64, num_blocks=256, max_num_batched_tokens=128)
     chats = ["What is the capital of France?", "Name a color.", "Count to five."]
     prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
