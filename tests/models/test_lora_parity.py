@@ -38,14 +38,17 @@ def check_mixed_batch(llm, hf, loras, refs, prompts):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False,
                         lora_request=[None if k is None else loras[k] for k in plan])
-    base_tokens = {}
+    base_tokens, changes = {}, set()
     for k, prompt, out in zip(plan, prompts, outs):
         model = hf if k is None else refs[k]
         ref, _ = hf_greedy(model, prompt, NEW_TOKENS)
         assert out.outputs[0].token_ids == ref, f"adapter {k}"
-        if k is not None:  # the adapter changes the output: the test would see a delta that is lost
+        if k is not None:
             base_tokens.setdefault(tuple(prompt), hf_greedy(hf, prompt, NEW_TOKENS)[0])
-            assert ref != base_tokens[tuple(prompt)], f"adapter {k} does not change the greedy output"
+            if ref != base_tokens[tuple(prompt)]:
+                changes.add(k)
+    # each adapter changes some output: a delta that got lost would be seen
+    assert changes == {k for k in plan if k is not None}
     assert llm.engine.kv_manager.pool.is_whole()
     return outs
 
@@ -110,7 +113,7 @@ def test_default_model_mixed_adapters_match_peft(tmp_path):
     from transformers import AutoModelForCausalLM
     src = default_model_source()
     hf = AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file, dtype=torch.float32).eval()
-    loras, refs = build_case(hf, tmp_path, 200, 0.07)
+    loras, refs = build_case(hf, tmp_path, 200, 0.1)
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=64, num_blocks=256, max_num_batched_tokens=128)
     chats = ["What is the capital of France?", "Name a color.", "Count to five."]
     prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
