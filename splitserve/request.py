@@ -71,6 +71,9 @@ class Request:
     mm_items: tuple = ()
     # Structured outputs: its grammar's compile and matcher (structured_output.manager.RequestGrammar).
     grammar: object | None = None
+    # LoRA: its adapter (lora.request.LoRARequest), and whether it holds the adapter's GPU slot.
+    lora_request: object | None = None
+    lora_pinned: bool = False
 
     def add_prompt_logprobs(self, start: int, entries: list[dict[int, float]], ranks: list[int]) -> None:
         """Prompt logprobs of prompt tokens start + 1 ... from one computed chunk. A chunk computed

@@ -55,6 +55,7 @@ class EngineFront:
                  stream_interval: int = 1):
         self.source = spec.source
         self.model_name = spec.model_name
+        self.world_size = spec.world_size
         self.served_model_names = spec.served_model_names or (spec.model_name,)
         # SamplingParams fields a request that leaves them unset takes (the generation config's).
         self.sampling_defaults = dict(spec.sampling_defaults)
@@ -71,6 +72,9 @@ class EngineFront:
         self.kv_capacity_tokens = num_blocks * block_size
         self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self._ids = itertools.count()
+        from splitserve.lora.registry import LoRARegistry
+        # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.
+        self.loras = LoRARegistry(spec.lora_config, spec.config.model.hf_config, self.model_name)
 
     @property
     def states(self) -> dict[str, RequestState]:
@@ -121,6 +125,9 @@ class EngineFront:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         self._validate_token_params(params, vocab)
+        if params.prompt_logprobs is not None and self.world_size > 1:
+            # The rank workers (distributed/worker.py) do not compute them yet: refuse, never drop.
+            raise ValueError(f"prompt_logprobs is not supported yet with several ranks (world size {self.world_size})")
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"tokens exceeds the model's context of {limit} tokens")
@@ -155,11 +162,14 @@ class EngineFront:
 
     def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True,
-                    priority: int = 0) -> tuple[str, list[EngineCoreRequest]]:
+                    lora_request=None, priority: int = 0) -> tuple[str, list[EngineCoreRequest]]:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
-        id with the core requests of its sequences (one, or n for parallel samples)."""
+        id with the core requests of its sequences (one, or n for parallel samples). `lora_request`:
+        a lora.request.LoRARequest, or None for the base model."""
         params = params or SamplingParams()
         self.check_priority(priority)
+        if lora_request is not None:
+            self.loras.check(lora_request)
         vocab = self.config.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
             params = dataclasses.replace(params, stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
@@ -177,4 +187,5 @@ class EngineFront:
         self.output_processor.add_request(state)
         mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
-                                              priority) for c in state.children]
+                                              lora_request, priority)
+                            for c in state.children]

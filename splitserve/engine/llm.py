@@ -42,10 +42,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of the prompts. A prompt is
-        text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. `priority`: one
-        per prompt, with scheduling_policy="priority" (lower runs first)."""
+        text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. `lora_request`: a
+        LoRARequest for every prompt, or a list of one (or None) per prompt (needs enable_lora).
+        `priority`: one per prompt, with scheduling_policy="priority" (lower runs first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [self._unwrap(p) for p in prompts]
@@ -58,13 +59,21 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        else:
+            loras = [lora_request] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         tokenized = [self.engine.tokenize_prompt(p, sp) for p, sp in zip(prompts, params)]
         for ids, sp, prio in zip(tokenized, params, priorities):
             self.engine.validate(ids, sp)
             self.engine.front.check_priority(prio)
-        ids = [self.engine.add_request(None, p, sp, stream=False, priority=prio)
-               for p, sp, prio in zip(prompts, params, priorities)]
+        for lora in {id(x): x for x in loras if x is not None}.values():
+            self.engine.front.loras.check(lora)
+        ids = [self.engine.add_request(None, p, sp, stream=False, lora_request=lr, priority=prio)
+               for p, sp, lr, prio in zip(prompts, params, loras, priorities)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

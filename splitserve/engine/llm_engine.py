@@ -109,12 +109,13 @@ class LLMEngine:
         return self.front.validate(prompt_ids, params)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True, priority: int = 0) -> str:
+                    arrival_time: float | None = None, stream: bool = True, lora_request=None,
+                    priority: int = 0) -> str:
         """Queues a request. With stream=False, step() reports it only once it has finished (offline
         use: no per-token output objects). `priority` needs the priority scheduling policy (lower
         runs first)."""
         request_id, core_requests = self.front.new_request(request_id, prompt, params, arrival_time, stream,
-                                                           priority)
+                                                           lora_request, priority)
         for req in core_requests:
             self.core.add_request(req)
         return request_id
