@@ -19,6 +19,8 @@ from splitserve.attention.layer import Attention, ForwardContext, forward_contex
 from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.core.sched_output import SchedulerOutput
+from splitserve.distributed.communication import recv_intermediate, send_intermediate
+from splitserve.distributed.parallel_state import pp_group
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
@@ -158,10 +160,20 @@ class ModelRunner:
             self.mm = MultiModalStepEncoder(model)
 
     # -- KV cache --------------------------------------------------------------------------------
+    def kv_layout(self) -> tuple[int, int]:
+        """(layers, KV heads) of this rank's KV cache: the model's attention layers (a pipeline
+        stage's own) and their KV heads (a tensor-parallel rank's own). The config's counts for a
+        model without attention layers (tests that size a pool for a bare module)."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not layers:
+            return self.config.model.num_layers, self.config.model.num_kv_heads
+        return len(layers), layers[0].num_kv_heads
+
     def bytes_per_block(self) -> int:
         m = self.config.model
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_layers
+        num_layers, num_kv_heads = self.kv_layout()
+        return 2 * self.block_size * num_kv_heads * m.head_dim * elem * num_layers
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -185,9 +197,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
-        shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        num_layers, num_kv_heads = self.kv_layout()
+        shape = (num_blocks, 2, self.block_size, num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(m.num_layers)]
+                          for _ in range(num_layers)]
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.kv_cache = self.kv_caches[module.layer_idx]
@@ -199,12 +212,15 @@ class ModelRunner:
         """Compiles the decoder layers and captures decode CUDA graphs (CUDA without enforce_eager)."""
         if self.device.type != "cuda" or self.config.compile.enforce_eager:
             return
+        if pp_group().world_size > 1:
+            logger.info("pipeline parallelism: the stages run eagerly (no compiled layers or CUDA graphs yet)")
+            return
         start = time.perf_counter()
         compile_decoder_layers(self.model)
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
         m = self.config.model
         self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
-                                   m.num_kv_heads, self.device)
+                                   self.kv_layout()[1], self.device)
         self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -321,7 +337,27 @@ class ModelRunner:
                               for i in mm.tolist()]
         return batch
 
+    def _forward_stage(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """One pipeline stage's part of the step (eager): the previous stage's (hidden, residual)
+        in, this stage's layers, the result out to the next stage; the last stage returns the
+        logits. Every stage of the step runs the same ForwardBatch (from the same step message)."""
+        pp = pp_group()
+        m = self.config.model
+        inter = None
+        if not pp.is_first:
+            inter = recv_intermediate(batch.input_ids.shape[0], m.hf_config.hidden_size, m.dtype, self.device)
+        with forward_context(ForwardContext(batch.meta, self.backend)):
+            out = self.model(batch.input_ids, batch.positions, batch.inputs_embeds, intermediate=inter)
+        if not pp.is_last:
+            send_intermediate(out)
+            return None
+        if not batch.sample_requests:
+            return None
+        return self.model.compute_logits(out[batch.logits_indices])
+
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if pp_group().world_size > 1:
+            return self._forward_stage(batch)
         meta = batch.meta
         num_seqs = meta.num_seqs
         if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
