@@ -385,7 +385,7 @@ class ModelRunner:
         step_no = self.num_launched
         batch = self.prepare(sched, inflight)
         self.num_launched += 1
-        if self.mm is not None and batch.mm_spans:
+        if self.mm is not None and batch.mm_spans and pp_group().is_first:  # later stages take no embeddings
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)

@@ -30,7 +30,21 @@ def _schedule_rank(rank: int, source: ModelSource, decode: bool):
     steps = run_schedule(runner, prompt_seed=7, decode=decode)
     layers, kv_heads = runner.kv_layout()
     return {"steps": steps, "last_stage": pp_group().is_last, "kv_layers": layers, "kv_heads": kv_heads,
-            "kv_cache_shape": tuple(runner.kv_caches[0].shape), "bytes_per_block": runner.bytes_per_block()}
+            "kv_cache_shape": tuple(runner.kv_caches[0].shape), "compiled": _compiled_half_matches(runner.model)}
+
+
+def _compiled_half_matches(model) -> bool:
+    """The layer half after attention (o_proj's all-reduce, MLP, down_proj's all-reduce) traced whole
+    by torch.compile (fullgraph: the collectives are custom ops with fake implementations) gives
+    the eager result."""
+    layer = model.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    attn_out = torch.randn(5, layer.self_attn.num_heads * layer.self_attn.head_dim, generator=gen)
+    residual = torch.randn(5, model.config.hidden_size, generator=gen)
+    compiled = torch.compile(layer.attn_outputs, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.inference_mode():
+        got, want = compiled(attn_out, residual), layer.attn_outputs(attn_out, residual)
+    return all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
 
 
 def test_tp2_tiny_llama_with_biases_and_padded_vocab(tokenizer, tmp_path):
@@ -44,6 +58,7 @@ def test_tp2_tiny_llama_with_biases_and_padded_vocab(tokenizer, tmp_path):
         assert_same_steps(r["steps"], want)
         # each rank caches its own KV head: half the pool of TP=1 per block
         assert r["kv_heads"] == 1 and r["kv_cache_shape"] == (4, 2, 16, 1, 8)
+        assert r["compiled"]
 
 
 def test_tp3_default_model(tmp_path):
