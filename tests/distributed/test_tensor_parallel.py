@@ -190,3 +190,36 @@ def test_sharded_loader_slice_by_slice_with_replicated_kv_head(tokenizer, tmp_pa
     for r in run_ranks(_schedule_rank, 2, 1, _source(path), True):
         assert_same_steps(r["steps"], want)
         assert r["kv_heads"] == 1
+
+
+# -- a vision-language model: the language model split, the vision tower replicated --------------------
+def _vlm_rank(rank: int, source: ModelSource, image_token: int):
+    from splitserve.core.sched_output import NewRequestData, SchedulerOutput
+    from splitserve.multimodal.inputs import ImageItem
+    from splitserve.sampling_params import SamplingParams
+    runner = build_runner(source)
+    n = runner.model.tokens_per_tile
+    pixels = torch.randn(1, 3, 56, 56, generator=torch.Generator().manual_seed(1))
+    prompt = [5, 6] + [image_token] * n + [7, 8, 9]
+    item = ImageItem("img", pixels, (56, 56), n, offset=2)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
+    steps = []
+    with torch.inference_mode():
+        for i in range(3):
+            new = [NewRequestData("a", prompt, params, [0], mm_items=(item,))] if i == 0 else []
+            count = len(prompt) if i == 0 else 1
+            sched = SchedulerOutput(step_id=i, num_scheduled_tokens={"a": count}, total_num_scheduled_tokens=count,
+                                    new_requests=new)
+            res = runner.collect(runner.launch(sched))
+            steps.append({"tokens": res.tokens, "logprobs": res.logprobs})
+    return steps
+
+
+def test_tp2_llava_language_model_split_vision_tower_replicated(tmp_path):
+    from tests.multimodal_reference import IMAGE, make_tiny_llava_dir, mm_tokenizer
+    tokenizer = mm_tokenizer()
+    source = ModelSource("llava", make_tiny_llava_dir(tmp_path / "llava", tokenizer, tower="clip"))
+    image_token = tokenizer.convert_tokens_to_ids(IMAGE)
+    want = _vlm_rank(0, source, image_token)
+    for got in run_ranks(_vlm_rank, 2, 1, source, image_token):
+        assert_same_steps(got, want)
