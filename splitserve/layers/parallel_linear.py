@@ -162,7 +162,7 @@ def vocab_rows(tensor, start: int, rows: int, vocab: int) -> torch.Tensor:
     if tensor.shape[0] != vocab:
         raise ValueError(f"checkpoint has {tensor.shape[0]} vocabulary rows, the model {vocab}")
     have = max(0, min(rows, vocab - start))
-    part = as_tensor(tensor.narrow(0, start, have))
+    part = as_tensor(tensor.narrow(0, min(start, vocab), have))
     return part if have == rows else F.pad(part, (0, 0, 0, rows - have))
 
 

@@ -223,3 +223,23 @@ def test_tp2_llava_language_model_split_vision_tower_replicated(tmp_path):
     want = _vlm_rank(0, source, image_token)
     for got in run_ranks(_vlm_rank, 2, 1, source, image_token):
         assert_same_steps(got, want)
+
+
+def test_one_rank_pays_nothing_for_the_collectives():
+    """With a group of one the collectives return their input itself, and a compiled row-parallel
+    layer's graph holds no collective at all."""
+    from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
+    from splitserve.layers.parallel_linear import RowParallelLinear
+    x = torch.randn(3, 4)
+    assert tp_all_reduce(x) is x and tp_all_gather(x) is x
+    layer = RowParallelLinear(8, 4, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+    x = torch.randn(2, 8)
+    assert torch.equal(torch.compile(layer, backend=backend, fullgraph=True)(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert graphs and "all_reduce" not in graphs[0] and "linear" in graphs[0]

@@ -81,11 +81,11 @@ def _cut(tensor, dim: int, start: int, length: int, what: str):
     """tensor[start:start + length] along dim, zero-padded where it runs past the end (the last
     rank's part of a vocabulary padded to a multiple of the ranks); lazy slices stay lazy."""
     full = tensor.shape[dim]
-    if start > full or (start + length > full and what != "pad"):
+    if start + length > full and what != "pad":
         raise ValueError(f"checkpoint dimension {dim} has {full} elements; this rank's part is "
                          f"[{start}, {start + length})")
-    have = min(length, full - start)
-    part = tensor.narrow(dim, start, have)
+    have = max(0, min(length, full - start))
+    part = tensor.narrow(dim, min(start, full), have)
     if have == length:
         return part
     part = as_tensor(part)
