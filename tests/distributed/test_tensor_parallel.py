@@ -61,6 +61,7 @@ def test_tp2_tiny_llama_with_biases_and_padded_vocab(tokenizer, tmp_path):
         assert r["compiled"]
 
 
+@pytest.mark.slow  # loads the real model four times (like tests/models/, which is slow by its path)
 def test_tp3_default_model(tmp_path):
     """SmolLM2-135M (9 query / 3 KV heads, tied embedding, GGUF): three ranks of 3 + 1 heads."""
     source = default_model_source()
