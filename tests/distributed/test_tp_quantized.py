@@ -74,3 +74,33 @@ def test_quantized_checkpoints_shard_over_two_ranks(checkpoints):
             if preset in PARITY:
                 want = run_schedule(ref, prompt_seed=5, decode=True)
                 assert_same_steps(got[preset]["steps"], want, tol=1e-3)
+
+
+# -- weight-only int4 (GPTQ, AWQ, compressed-tensors pack-quantized) ---------------------------------------
+def _wna16_rank(rank: int, paths: dict):
+    out = {}
+    for name, path in paths.items():
+        try:
+            out[name] = run_schedule(build_runner(ModelSource(name, path)), prompt_seed=5, decode=True)
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_weight_only_int4_checkpoints_over_two_ranks(tmp_path):
+    """Packed int4 weights, group scales and zero points cut along the output (column-parallel: the
+    packed words of GPTQ/AWQ zero points hold 8 output features) and along the input (row-parallel:
+    the rank's groups). Weight-only layers compute in float, so TP=2 matches TP=1 in fp32. GPTQ
+    act-order, whose groups cross the ranks' input parts, is a clear error."""
+    from tests.wna16_reference import make_gptq_or_awq, make_pack_quantized
+    tokenizer = load_tokenizer(None)
+    paths = {"gptq": make_gptq_or_awq(tmp_path / "gptq", tokenizer, "gptq", 4, 64)[0],
+             "awq": make_gptq_or_awq(tmp_path / "awq", tokenizer, "awq", 4, 64, symmetric=False, seed=1)[0],
+             "ct": make_pack_quantized(tmp_path / "ct", tokenizer, 4, 64, symmetric=False, seed=2)[0],
+             "gptq-act-order": make_gptq_or_awq(tmp_path / "act", tokenizer, "gptq", 4, 64, desc_act=True, seed=3)[0]}
+    ranks = run_ranks(_wna16_rank, 2, 1, paths)
+    for name in ("gptq", "awq", "ct"):
+        want = run_schedule(build_runner(ModelSource(name, paths[name])), prompt_seed=5, decode=True)
+        for got in ranks:
+            assert_same_steps(got[name], want)
+    assert "quantization groups of other ranks" in ranks[0]["gptq-act-order"]
