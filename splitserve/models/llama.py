@@ -14,6 +14,7 @@ from splitserve.attention.layer import Attention, kv_scale_targets
 from splitserve.distributed.communication import Intermediate, tp_all_gather
 from splitserve.distributed.parallel_state import pp_group, stage_layers, tp_group
 from splitserve.layers.activation import silu_and_mul
+from splitserve.layers.cpu_gemm import linear
 from splitserve.layers.linear import Linear
 from splitserve.layers.parallel_linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                                RowParallelLinear, VocabParallelEmbedding)
@@ -160,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         needs it: a greedy batch takes the argmax of these directly (exact, as the conversion is).
         With tensor parallelism each rank computes its vocabulary rows and all gather them."""
         if self.tp_size > 1:
-            local = (torch.nn.functional.linear(hidden, self.embed_tokens.weight) if self.lm_head is None
+            local = (linear(hidden, self.embed_tokens.weight) if self.lm_head is None
                      else self.lm_head(hidden))
             logits = tp_all_gather(local)[..., :self.config.vocab_size]
             return logits if out is None else out.copy_(logits)
@@ -169,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
             return logits if out is None else out.copy_(logits)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
-            return torch.nn.functional.linear(hidden, weight)
+            return linear(hidden, weight)
         return torch.mm(hidden, weight.t(), out=out)
 
     # -- weights ---------------------------------------------------------------------------------
