@@ -216,6 +216,7 @@ def _vlm_rank(rank: int, source: ModelSource, image_token: int):
     return steps
 
 
+@pytest.mark.slow
 def test_tp2_llava_language_model_split_vision_tower_replicated(tmp_path):
     from tests.multimodal_reference import IMAGE, make_tiny_llava_dir, mm_tokenizer
     tokenizer = mm_tokenizer()

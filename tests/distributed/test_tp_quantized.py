@@ -14,6 +14,8 @@ from splitserve.models.resolve import ModelSource, load_tokenizer
 from tests.quant_reference import make_compressed_llama_dir
 from tests.tp_harness import assert_same_steps, build_runner, run_ranks, run_schedule
 
+pytestmark = pytest.mark.slow  # writes quantized checkpoints and spawns ranks (about 2 minutes)
+
 VOCAB = 1001
 # preset -> checkpoint overrides (block-wise FP8 needs every rank's shard a multiple of 128)
 PRESETS = {"FP8": dict(hidden_size=256, num_attention_heads=4),
