@@ -398,6 +398,9 @@ class AsyncLLMEngine:
             for reason, ids in drop.items():
                 self._send(AbortRequests(ids, reason))
             self._dispatch(outputs, msg.timestamp)
+        if msg.dead is not None and msg.process_lost:
+            # A rank is gone: the core exits after this message; fail everything now and exit (503 meanwhile).
+            self._on_core_gone(f"the engine lost a process: {msg.dead}")
         if msg.dead is not None and self._dead is None:
             # The core gave up (steps keep failing): new requests get 503, /health turns 503, and the
             # server stays up to say so.

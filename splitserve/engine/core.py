@@ -19,6 +19,7 @@ from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelCo
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
+from splitserve.distributed.worker_messages import RanksLostError
 from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
@@ -58,7 +59,13 @@ def seed_everything(seed: int) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot run steps any more; the server should report itself unhealthy."""
+    """The engine cannot run steps any more; the server should report itself unhealthy.
+    `process_lost`: a process of the engine (a worker rank) is gone or hung; the server exits, as when
+    it loses the engine core process itself."""
+
+    def __init__(self, message: str, process_lost: bool = False):
+        super().__init__(message)
+        self.process_lost = process_lost
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,49 @@ class EngineCore:
         _check_kv_cache_dtype(config)  # here, not in resolve_model_spec: the front must not touch CUDA
         self.config = config
         device, m = config.device, config.model
+        if args.world_size > 1:
+            self._init_ranks(args, spec)
+        else:
+            self._init_runner(args, spec)
+        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
+        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
+        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
+                                                  lambda: _core_tokenizer(spec, args.random_weights))
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
+        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        self._inflight = None  # the launched step whose results are not processed yet
+        self._failed_steps_in_a_row = 0
+        self.num_received = 0
+        self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
+        # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
+        # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
+        # them out of the collector's view (what start-up left as garbage stays: a little memory).
+        gc.freeze()
+        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
+            seed_everything(args.seed)
+        placement = device if args.world_size == 1 else (
+            f"{args.world_size} ranks (tp {args.tensor_parallel_size} x pp {args.pipeline_parallel_size}) on {device}")
+        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
+                    placement, m.dtype, config.attention_backend,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."), m.quantization or "none")
+
+    def _init_ranks(self, args: EngineArgs, spec: ModelSpec) -> None:
+        """World size > 1: one worker process per rank, stepped through the executor (distributed/)."""
+        from splitserve.distributed.executor import MultiprocExecutor
+        if args.node_rank != 0:
+            raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; on the other nodes "
+                             f"`splitserve serve --node-rank {args.node_rank} ...` starts their ranks only")
+        config = spec.config
+        self.runner = MultiprocExecutor(args, spec, resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
+                                                                           config.model.dtype))
+        self.num_blocks = self.runner.num_blocks
+        self.model = None  # in the ranks
+
+    def _init_runner(self, args: EngineArgs, spec: ModelSpec) -> None:
+        """World size 1: the model and its runner in this process."""
+        config = spec.config
+        device, m = config.device, config.model
         compiles = device.startswith("cuda") and not args.enforce_eager
         # The compiler stack's Python sources and the attention kernels compile in forked children
         # while the model is built; forked before any thread of ours starts.
@@ -162,27 +212,22 @@ class EngineCore:
         finally:
             if precompile is not None:
                 precompile.finish()
-        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.model = model
-        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
-        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
-        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
-                                                  lambda: _core_tokenizer(spec, args.random_weights))
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
-        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
-        self._inflight = None  # the launched step whose results are not processed yet
-        self._failed_steps_in_a_row = 0
-        self.num_received = 0
-        self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
-        # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
-        # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
-        # them out of the collector's view (what start-up left as garbage stays: a little memory).
-        gc.freeze()
-        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
-            seed_everything(args.seed)
-        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
-                    device, m.dtype, config.attention_backend, str(self.runner.kv_cache_dtype).removeprefix("torch."),
-                    m.quantization or "none")
+
+    def check_ranks(self) -> None:
+        """Raises EngineDeadError if a worker rank died or failed (the core loop asks while idle)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            try:
+                check()
+            except RanksLostError as exc:
+                raise EngineDeadError(str(exc), process_lost=True) from exc
+
+    def shutdown(self) -> None:
+        """Stops the worker processes (world size > 1); nothing to do in one process."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -213,7 +258,13 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if sched.has_removals:
-                self.runner.update_states(sched)
+                self._update_states(sched)
+
+    def _update_states(self, sched) -> None:
+        try:
+            self.runner.update_states(sched)
+        except RanksLostError as exc:
+            raise EngineDeadError(str(exc), process_lost=True) from exc
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -246,14 +297,17 @@ class EngineCore:
             sched.grammar = self.structured.step_bitmask(sched, self.scheduler.samples_after)
             try:
                 launched = self.runner.launch(sched, inflight)
+            except RanksLostError as exc:
+                raise EngineDeadError(str(exc), process_lost=True) from exc
             except Exception as exc:
                 outputs += self._fail_step(sched, exc, launched=False)
             else:
                 num_samples = self.scheduler.advance(sched)
-                assert num_samples == len(launched.sample_requests), "scheduler and worker disagree on who samples"
+                assert launched.sample_requests is None or num_samples == len(launched.sample_requests), \
+                    "scheduler and worker disagree on who samples"
                 self._inflight = launched
         elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
-            self.runner.update_states(sched)
+            self._update_states(sched)
         if sched.is_empty and inflight is None and self._inflight is None and self.structured.live:
             self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar
         if inflight is not None:
@@ -290,6 +344,8 @@ class EngineCore:
         sched = inflight.sched
         try:
             result = self.runner.collect(inflight)
+        except RanksLostError as exc:
+            raise EngineDeadError(str(exc), process_lost=True) from exc
         except Exception as exc:
             return self._fail_step(sched, exc)
         self._failed_steps_in_a_row = 0

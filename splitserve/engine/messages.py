@@ -70,6 +70,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):
     dead: str | None = None          # the core cannot go on: why (the last message it sends)
     # Tokens run by each step launched since the previous message (one entry a step, usually one).
     step_tokens: list[int] = []
+    # With `dead`: a process of the engine (a worker rank) is gone or hung, and the core exits too; the
+    # front then fails everything and exits as when it loses the core process itself.
+    process_lost: bool = False
 
 
 class CoreReady(msgspec.Struct, array_like=True, tag=True):
