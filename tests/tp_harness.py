@@ -46,7 +46,9 @@ DECODE_STEPS = [{"a": 1, "b": 1}, {"a": 1, "b": 1}]
 
 def build_runner(source, quantization: str | None = None):
     """The model of `source` (quantized as its checkpoint says, or online by `quantization`) in a
-    fp32 CPU ModelRunner with the torch reference attention and a KV pool of four blocks."""
+    fp32 CPU ModelRunner with the torch reference attention and a KV pool of four blocks; with
+    pipeline stages, the worker processes' StageRunner (the last stage's first rank samples and
+    broadcasts the tokens)."""
     from splitserve.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
     from splitserve.layers.quantization.config import resolve_quant_config
     from splitserve.models.loader import load_hf_config, load_model
@@ -58,7 +60,12 @@ def build_runner(source, quantization: str | None = None):
         model=ModelConfig(hf_config, arch, torch.float32, 64, hf_config.vocab_size, (), quant),
         cache=CacheConfig(block_size=16, num_blocks=4), scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
         compile=CompileConfig(enforce_eager=True), device="cpu", attention_backend="torch_ref")
-    runner = ModelRunner(config, model)
+    from splitserve.distributed.parallel_state import pp_group, tp_group
+    if pp_group().world_size > 1:  # the worker process's runner: stage transfers, one sampling rank
+        from splitserve.distributed.worker import StageRunner
+        runner = StageRunner(config, model, sampler_rank=(pp_group().world_size - 1) * tp_group().world_size)
+    else:
+        runner = ModelRunner(config, model)
     runner.allocate_kv_cache(4)
     return runner
 

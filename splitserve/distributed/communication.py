@@ -8,13 +8,12 @@ compiled region, with a fake implementation for tracing) and plain NCCL/gloo cal
 CUDA graphs capture. The ops name the group ("tp", "pp") rather than take it, since a custom op's
 arguments must be tensors or plain values.
 
-Pipeline stages hand (hidden, residual) to the next stage with point-to-point send/recv over the
-pipeline group: `send_intermediate` / `recv_intermediate`, plain functions the worker calls between
-its stage's forward and the next stage's.
+Pipeline stages hand an `Intermediate` (hidden, residual) to the next stage; the transfer itself is
+distributed/pipeline.py's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,34 +70,9 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- pipeline stages --------------------------------------------------------------------------------
-@dataclass
-class Intermediate:
+class Intermediate(NamedTuple):
     """What a pipeline stage that is not the last hands to the next: the decoder's stream after its
-    last layer, [T, hidden] each (the residual is kept apart, as the next layer's norm adds it)."""
+    last layer, [T, hidden] each (the residual is kept apart, as the next layer's norm adds it).
+    A plain (hidden, residual) pair to the transfer code (distributed/pipeline.py)."""
     hidden: torch.Tensor
     residual: torch.Tensor
-
-
-def send_intermediate(inter: Intermediate) -> None:
-    """Sends this stage's output to the next stage (the same tensor-parallel rank there)."""
-    pp = pp_group()
-    if pp.is_last:
-        raise ValueError("the last pipeline stage has no next stage to send to")
-    dst = pp.ranks[pp.rank + 1]
-    dist.send(inter.hidden.contiguous(), dst=dst, group=pp.group)
-    dist.send(inter.residual.contiguous(), dst=dst, group=pp.group)
-
-
-def recv_intermediate(num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                      device: torch.device | str) -> Intermediate:
-    """Receives the previous stage's output for a step of num_tokens tokens (every stage knows the
-    step's token count from the step message, so no shape travels)."""
-    pp = pp_group()
-    if pp.is_first:
-        raise ValueError("the first pipeline stage has no previous stage to receive from")
-    src = pp.ranks[pp.rank - 1]
-    hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-    residual = torch.empty_like(hidden)
-    dist.recv(hidden, src=src, group=pp.group)
-    dist.recv(residual, src=src, group=pp.group)
-    return Intermediate(hidden, residual)

@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         elif intermediate is None:
             raise ValueError("a pipeline stage after the first needs the previous stage's intermediate")
         else:
-            x, residual = intermediate.hidden, intermediate.residual
+            x, residual = intermediate  # an Intermediate, or the plain pair the transfer received
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         if not self.is_last_stage:

@@ -19,8 +19,6 @@ from splitserve.attention.layer import Attention, ForwardContext, forward_contex
 from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.core.sched_output import SchedulerOutput
-from splitserve.distributed.communication import recv_intermediate, send_intermediate
-from splitserve.distributed.parallel_state import pp_group
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
@@ -212,9 +210,6 @@ class ModelRunner:
         """Compiles the decoder layers and captures decode CUDA graphs (CUDA without enforce_eager)."""
         if self.device.type != "cuda" or self.config.compile.enforce_eager:
             return
-        if pp_group().world_size > 1:
-            logger.info("pipeline parallelism: the stages run eagerly (no compiled layers or CUDA graphs yet)")
-            return
         start = time.perf_counter()
         compile_decoder_layers(self.model)
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
@@ -337,27 +332,7 @@ class ModelRunner:
                               for i in mm.tolist()]
         return batch
 
-    def _forward_stage(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """One pipeline stage's part of the step (eager): the previous stage's (hidden, residual)
-        in, this stage's layers, the result out to the next stage; the last stage returns the
-        logits. Every stage of the step runs the same ForwardBatch (from the same step message)."""
-        pp = pp_group()
-        m = self.config.model
-        inter = None
-        if not pp.is_first:
-            inter = recv_intermediate(batch.input_ids.shape[0], m.hf_config.hidden_size, m.dtype, self.device)
-        with forward_context(ForwardContext(batch.meta, self.backend)):
-            out = self.model(batch.input_ids, batch.positions, batch.inputs_embeds, intermediate=inter)
-        if not pp.is_last:
-            send_intermediate(out)
-            return None
-        if not batch.sample_requests:
-            return None
-        return self.model.compute_logits(out[batch.logits_indices])
-
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        if pp_group().world_size > 1:
-            return self._forward_stage(batch)
         meta = batch.meta
         num_seqs = meta.num_seqs
         if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
@@ -385,7 +360,7 @@ class ModelRunner:
         step_no = self.num_launched
         batch = self.prepare(sched, inflight)
         self.num_launched += 1
-        if self.mm is not None and batch.mm_spans and pp_group().is_first:  # later stages take no embeddings
+        if self.mm is not None and batch.mm_spans:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)
