@@ -111,6 +111,23 @@ class EngineArgs(CliOptions):
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    # LoRA (vLLM's flag names).
+    enable_lora: bool = option(False, help="serve LoRA adapters (PEFT format) over the base model")
+    max_loras: int = option(1, help="LoRA adapters a step can run at once (GPU slots)")
+    max_lora_rank: int = option(16, help="largest LoRA rank accepted; slots are sized for it")
+    max_cpu_loras: int | None = option(None, default_text="max_loras",
+                                       help="LoRA adapters kept loaded in host memory (an LRU)")
+    lora_modules: list[str] | None = option(
+        None, metavar="NAME=PATH",
+        help="adapters clients select with model=NAME: NAME=PATH, or vLLM's JSON form "
+             "'{\"name\": NAME, \"path\": PATH, \"base_model_name\": ...}'")
+    allow_runtime_lora: bool = option(
+        False, default_text="off, or on when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    lora_allowed_dir: str | None = option(
+        None, default_text="none: runtime loading is refused",
+        help="runtime-loaded adapters must lie under this directory")
+
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), the older form
             self.served_model_name = [self.served_model_name]

@@ -79,6 +79,7 @@ class ModelSpec:
     served_model_names: tuple[str, ...] = ()
     tokenizer_source: ModelSource | None = None
     sampling_defaults: dict = field(default_factory=dict)
+    lora_config: object | None = None  # lora.registry.LoRAConfig with --enable-lora
 
 
 def _check_device(device: str) -> None:
@@ -116,7 +117,8 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
         compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
     names = tuple(args.served_model_name or (source.name,))
-    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults)
+    from splitserve.lora.registry import lora_config_from_args
+    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults, lora_config_from_args(args))
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
@@ -146,6 +148,7 @@ class EngineCore:
         _check_kv_cache_dtype(config)  # here, not in resolve_model_spec: the front must not touch CUDA
         self.config = config
         device, m = config.device, config.model
+        self.lora = None  # the LoRAManager with --enable-lora (lora/)
         if args.world_size > 1:
             self._init_ranks(args, spec)
         else:
@@ -155,7 +158,7 @@ class EngineCore:
         # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
         self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
                                                   lambda: _core_tokenizer(spec, args.random_weights))
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
@@ -179,6 +182,9 @@ class EngineCore:
         if args.node_rank != 0:
             raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; on the other nodes "
                              f"`splitserve serve --node-rank {args.node_rank} ...` starts their ranks only")
+        if args.enable_lora:
+            raise ValueError("--enable-lora with tensor or pipeline parallelism is not supported yet: "
+                             "serve adapters with --tensor-parallel-size 1 --pipeline-parallel-size 1")
         config = spec.config
         self.runner = MultiprocExecutor(args, spec, resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
                                                                            config.model.dtype))
@@ -203,7 +209,11 @@ class EngineCore:
             t0 = time.perf_counter()
             _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
-            self.runner = ModelRunner(config, model)
+            self.lora, lora_worker = None, None  # LoRAManager / LoRAWorker with --enable-lora
+            if args.enable_lora:
+                from splitserve.lora.manager import build_lora
+                self.lora, lora_worker = build_lora(args, m.hf_config, m.dtype, model)
+            self.runner = ModelRunner(config, model, lora_worker)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)
             if bytecode is not None:
@@ -233,9 +243,14 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         self.num_received += 1
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items)
+                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items,
+                          lora_request=req.lora_request)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_request is not None:
+            if self.lora is None:
+                raise ValueError("a LoRA adapter was requested, but LoRA is not enabled (--enable-lora)")
+            self.lora.is_loaded(req.lora_request)  # starts loading it, off the step loop
         if req.sampling_params.structured_outputs is not None:
             self.structured.register(request)  # its grammar compiles meanwhile; admitted when ready
         self.scheduler.add_request(request)
@@ -289,6 +304,8 @@ class EngineCore:
             inflight = None
         if self.structured.live:
             outputs += self._fail_grammars()
+        if self.lora is not None:
+            outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
         if not sched.is_empty:
@@ -310,6 +327,8 @@ class EngineCore:
             self._update_states(sched)
         if sched.is_empty and inflight is None and self._inflight is None and self.structured.live:
             self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar
+        if sched.is_empty and inflight is None and self._inflight is None and self.lora is not None:
+            self.lora.wait_for_loads(_COMPILE_WAIT_S)  # or for an adapter to load
         if inflight is not None:
             outputs += self._process(inflight)
         if self._inflight is not None and not self.async_scheduling:
@@ -326,6 +345,18 @@ class EngineCore:
             logger.error("request %s: %s", request.request_id, reason)
             if self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
                 outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason))
+        return outputs
+
+    def _fail_lora_loads(self) -> list[EngineCoreOutput]:
+        """Ends the waiting requests whose adapter failed to load (the front checks adapters, so this
+        is rare: files removed or changed since)."""
+        outputs = []
+        for lora_id, reason in self.lora.take_failed():
+            ids = [r.request_id for r in self.scheduler.waiting
+                   if r.lora_request is not None and r.lora_request.lora_int_id == lora_id]
+            for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason))
+            self.lora.forget(lora_id)
         return outputs
 
     def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:

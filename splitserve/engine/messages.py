@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
+from splitserve.lora.request import LoRARequest
 from splitserve.multimodal.inputs import ImageItem
 from splitserve.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     max_total_tokens: int          # prompt + output cap (the model's context, or prompt + max_tokens)
     arrival_time: float
     mm_items: tuple[ImageItem, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True):
