@@ -42,12 +42,15 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin, k_scale, v_scale)  # one pass
-        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale)
+        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale,
+                           sliding_window, soft_cap)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has
         # exactly one query token: T == B (both host-known shapes) together with max_query_len == 1.
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:
@@ -55,9 +58,11 @@ class TritonBackend(AttentionBackend):
             # AttentionMetadata, which never fixes the split count.
             num_splits = meta.decode_num_splits if isinstance(meta, TritonMetadata) else None
             return paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
-                                          scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+                                          scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
+                                          sliding_window=sliding_window, soft_cap=soft_cap)
         return ragged_paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                      meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
+                                      meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap)
 
     # -- metadata ------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
