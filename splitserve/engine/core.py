@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.attention.layer import kv_free_window
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
@@ -164,7 +165,9 @@ class EngineCore:
                 precompile.finish()
         install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.model = model
-        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
+        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
+                                         sliding_window=kv_free_window(model))
         # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
         self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
                                                   lambda: _core_tokenizer(spec, args.random_weights))
