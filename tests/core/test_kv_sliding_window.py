@@ -180,10 +180,10 @@ def test_passed_blocks_are_registered_before_they_are_freed():
     """With a step in flight its results (and cache_full_blocks) come after the next allocation:
     a filled block the window passes meanwhile is offered to the prefix cache as it is freed."""
     kv = KVCacheManager(8, 4, enable_prefix_caching=True, sliding_window=4)
-    a = req("a", range(9))
-    assert kv.allocate_slots(a, 9)
-    a.num_computed_tokens = 9                    # launched, results not processed: nothing registered
-    assert kv.allocate_slots(a, 1)               # position 9 sees 6..9: blocks 0 and 1 freed
+    a = req("a", range(12))
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12                   # launched, results not processed: nothing registered
+    assert kv.allocate_slots(a, 1)               # position 12 sees 9..12: blocks 0 and 1 freed
     assert held(kv, a) == a.block_ids[2:]
     b = req("b", list(range(8)) + [77])
     hits, cached = kv.get_computed_blocks(b)
