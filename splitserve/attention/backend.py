@@ -85,6 +85,8 @@ class AttentionKernelSpec:
     capability: int                      # e.g. 90 for sm_90
     rot_dim: int                         # rotary width (a backend may apply it in its KV store); 0: none
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: dtype
+    # The distinct (sliding_window, soft_cap) pairs of the model's attention layers (None: none).
+    attn_variants: tuple[tuple[int | None, float | None], ...] = ((None, None),)
 
 
 class AttentionBackend:

@@ -101,26 +101,31 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = _scales(device)
         seen = set()
 
-        def add(variant, meta: AttentionMetadata) -> None:
-            if variant not in seen:
-                seen.add(variant)
+        def add(variant, meta: AttentionMetadata, window: int | None, soft_cap: float | None) -> None:
+            if (variant, window, soft_cap) not in seen:
+                seen.add((variant, window, soft_cap))
                 q = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=spec.dtype, device=device)
-                launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale))
+                # The layer's window and cap as keywords (a layer without them passes none).
+                extra = {k: x for k, x in (("sliding_window", window), ("soft_cap", soft_cap)) if x is not None}
+                launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale, **extra))
 
-        for meta in warm_up:
-            num_tokens = meta.slot_mapping.shape[0]
-            if meta.is_pure_decode and num_tokens == meta.num_seqs:  # attend's own dispatch
-                splits = default_num_splits(meta.num_seqs, hkv, meta.max_seq_len, num_sms=spec.num_sms)
-                add(("decode", splits > 1), _with_splits(meta, splits))
-            else:
-                add(("ragged", ragged_variant(num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
-                                              hq, hkv, d)), meta)
-        if spec.decode_batch_sizes:
-            state = self._decode_graph_state(max(spec.decode_batch_sizes), -(-spec.max_model_len // spec.block_size),
-                                             spec.max_model_len, hkv, device, num_sms=spec.num_sms)
-            for bs in spec.decode_batch_sizes:
-                meta = self.capture_metadata(state, bs)
-                add(("decode", meta.decode_num_splits > 1), meta)
+        for window, soft_cap in spec.attn_variants:  # each kind of layer launches its own variants
+            for meta in warm_up:
+                num_tokens = meta.slot_mapping.shape[0]
+                if meta.is_pure_decode and num_tokens == meta.num_seqs:  # attend's own dispatch
+                    read = min(meta.max_seq_len, window or meta.max_seq_len)  # as paged_decode_attention splits
+                    splits = default_num_splits(meta.num_seqs, hkv, read, num_sms=spec.num_sms)
+                    add(("decode", splits > 1), _with_splits(meta, splits), window, soft_cap)
+                else:
+                    add(("ragged", ragged_variant(num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
+                                                  hq, hkv, d)), meta, window, soft_cap)
+            if spec.decode_batch_sizes:
+                state = self._decode_graph_state(max(spec.decode_batch_sizes),
+                                                 -(-spec.max_model_len // spec.block_size),
+                                                 spec.max_model_len, hkv, device, num_sms=spec.num_sms)
+                for bs in spec.decode_batch_sizes:
+                    meta = self.capture_metadata(state, bs)
+                    add(("decode", meta.decode_num_splits > 1), meta, window, soft_cap)
         return launches
 
 
