@@ -246,3 +246,38 @@ def test_attention_op_passes_window_and_cap_per_layer():
                                    sliding_window=layer.sliding_window, soft_cap=layer.soft_cap)
         torch.testing.assert_close(outs[-1], want)
     assert not torch.allclose(outs[0], outs[1])
+
+
+# ------------------------------------------------------------------------- combined, low precision
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_bf16_padded_head_dim_with_window_and_soft_cap(head_dim):
+    """bf16 tiles (the serving dtype) with everything at once: padded head dim, window, soft cap;
+    ragged (mixed batch) and split-K decode."""
+    q, cache, meta = make_batch(SCENARIOS["mixed"], num_kv_heads=2, group=2, head_dim=head_dim, dtype=torch.bfloat16,
+                                block_size=16, seed=61 + head_dim)
+    q = q * 3
+    cache = poison_passed_blocks(cache, meta, 9)
+    kw = dict(sliding_window=9, soft_cap=4.0)
+    out = ragged_paged_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                 meta.max_query_len, meta.max_seq_len, 0.1, **kw)
+    torch.testing.assert_close(out.float(), paged_attention_ref(q, cache, meta, 0.1, **kw).float(), **TOL[torch.bfloat16])
+    q, cache, meta = make_batch([(90, 1), (20, 1)], num_kv_heads=2, group=2, head_dim=head_dim, dtype=torch.bfloat16,
+                                block_size=16, seed=62 + head_dim)
+    cache = poison_passed_blocks(cache, meta, 40)
+    kw = dict(sliding_window=40, soft_cap=4.0)
+    out = paged_decode_attention(q, cache, meta.seq_lens, meta.block_tables, meta.max_seq_len, 0.1, num_splits=2, **kw)
+    torch.testing.assert_close(out.float(), paged_attention_ref(q, cache, meta, 0.1, **kw).float(), **TOL[torch.bfloat16])
+
+
+def test_fp8_cache_with_window_soft_cap_and_head_dim_80():
+    """An FP8 cache (scales folded into the logits before the cap) with a window and a soft cap."""
+    fp8 = torch.float8_e4m3fn
+    q, cache, meta = make_batch([(45, 12), (17, 1), (9, 9)], num_kv_heads=2, group=2, head_dim=80,
+                                dtype=torch.float32, block_size=8, seed=71)
+    ks, vs = torch.tensor([0.02]), torch.tensor([0.3])
+    cache8 = torch.stack([(cache[:, 0] / ks).to(fp8), (cache[:, 1] / vs).to(fp8)], dim=1)
+    kw = dict(k_scale=ks.to(DEVICE), v_scale=vs.to(DEVICE), sliding_window=10, soft_cap=2.0)
+    out = ragged_paged_attention(q * 3, cache8.to(DEVICE), meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                 meta.max_query_len, meta.max_seq_len, 0.1, **kw)
+    torch.testing.assert_close(out, paged_attention_ref(q * 3, cache8.to(DEVICE), meta, 0.1, **kw), **TOL[torch.float32])
