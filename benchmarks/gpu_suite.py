@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py --check [--tokenizer-dir DIR]  # greedy tokens: fast path vs torch_ref
     python benchmarks/gpu_suite.py --bench decode,prefill,tp128,tp1024 [--repeats 3] [--quantization fp8]
+    ... [--tensor-parallel-size 2] [--config benchmarks/configs/llama3-70b]  # several GPUs, another shape
     ... [--kv-cache-dtype fp8]  # both: an FP8 KV cache (the check's torch_ref reference uses one too)
 
 Benchmarks use the Llama-3-8B-shaped config in benchmarks/configs/llama3-8b with random bf16 weights,
@@ -71,11 +72,13 @@ def check(tokenizer_dir: str, kv_cache_dtype: str = "auto", quantization: str | 
 
 
 def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tokens: int,
-          kv_cache_dtype: str = "auto", quantization: str | None = None) -> None:
+          kv_cache_dtype: str = "auto", quantization: str | None = None, config: str = CONFIG_8B,
+          tensor_parallel_size: int = 1) -> None:
     t0 = time.perf_counter()
-    llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
+    llm = LLM(config, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization)
+              quantization=quantization, tensor_parallel_size=tensor_parallel_size)
+    rows.append(("model, ranks", f"{os.path.basename(os.path.normpath(config))}, tensor_parallel_size {tensor_parallel_size}"))
     rows.append(("quantization", llm.engine.config.model.quantization or "none (bf16)"))
     rows.append(("KV cache", f"{kv_cache_dtype}: {llm.engine.core.num_blocks} blocks of "
                  f"{llm.engine.config.cache.block_size} tokens"))
@@ -92,7 +95,8 @@ def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tok
     def timed(n, inp, out):
         ps = prompts(n, inp, vocab, next(seed))
         params = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
-        torch.cuda.synchronize()
+        if tensor_parallel_size == 1:  # the ranks' processes answer a step when it is done
+            torch.cuda.synchronize()
         t = time.perf_counter()
         res = llm.generate(ps, params, use_tqdm=False)
         el = time.perf_counter() - t
@@ -137,13 +141,15 @@ def main() -> None:
                     help="the engines' KV-cache element type (EngineArgs.kv_cache_dtype)")
     ap.add_argument("--quantization", default=None,
                     help="passed to LLM(quantization=...): fp8 quantizes the random bf16 weights at load")
+    ap.add_argument("--config", default=CONFIG_8B, help="the model's config directory (random weights)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) of the benchmark engine")
     args = ap.parse_args()
     try:
         if args.check:
             check(args.tokenizer_dir, args.kv_cache_dtype, args.quantization)
         if args.bench:
             bench(args.bench.split(","), args.repeats, args.max_num_seqs, args.max_num_batched_tokens,
-                  args.kv_cache_dtype, args.quantization)
+                  args.kv_cache_dtype, args.quantization, args.config, args.tensor_parallel_size)
     finally:
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
         for name, value in rows:

@@ -3,6 +3,7 @@
 (see arg_utils.py), so a new option is one field here with its help text."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
@@ -81,6 +82,51 @@ class EngineArgs(CliOptions):
         None, metavar="JSON", default_text="none",
         help="JSON object of defaults that replace those of the generation config, "
              "e.g. '{\"temperature\": 0.5}'")
+    # -- parallelism (distributed/: one worker process per device when the world is larger than 1) --
+    tensor_parallel_size: int = option(
+        1, aliases=("-tp",), help="devices each layer is split across (one worker process each)")
+    pipeline_parallel_size: int = option(
+        1, aliases=("-pp",), help="pipeline stages the decoder layers are split into (across hosts, say)")
+    nnodes: int | None = option(
+        None, default_text="$NNODES, else 1",
+        help="hosts the model spans (torchrun's name); each runs tp*pp/nnodes ranks")
+    node_rank: int | None = option(
+        None, default_text="$NODE_RANK, else 0",
+        help="this host's index among --nnodes; 0 runs the engine core and the API, the others only "
+             "their worker processes (headless)")
+    master_addr: str | None = option(
+        None, default_text="$MASTER_ADDR, else 127.0.0.1",
+        help="address of node 0, which every rank reaches (torch.distributed's store on --master-port, "
+             "the step messages on --master-port + 1, the results on --master-port + 2)")
+    master_port: int | None = option(
+        None, default_text="$MASTER_PORT, else a free port (one node only)",
+        help="port of node 0 for torch.distributed's rendezvous (required with --nnodes > 1)")
+    distributed_timeout_s: float = option(
+        600.0, help="bound on the ranks' start-up (joining, loading) and on any collective")
+    step_timeout_s: float = option(
+        300.0, help="a model step that no rank has answered after this many seconds counts as a hung "
+                    "rank: the engine fails its requests and stops every process")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    # LoRA (vLLM's flag names).
+    enable_lora: bool = option(False, help="serve LoRA adapters (PEFT format) over the base model")
+    max_loras: int = option(1, help="LoRA adapters a step can run at once (GPU slots)")
+    max_lora_rank: int = option(16, help="largest LoRA rank accepted; slots are sized for it")
+    max_cpu_loras: int | None = option(None, default_text="max_loras",
+                                       help="LoRA adapters kept loaded in host memory (an LRU)")
+    lora_modules: list[str] | None = option(
+        None, metavar="NAME=PATH",
+        help="adapters clients select with model=NAME: NAME=PATH, or vLLM's JSON form "
+             "'{\"name\": NAME, \"path\": PATH, \"base_model_name\": ...}'")
+    allow_runtime_lora: bool = option(
+        False, default_text="off, or on when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    lora_allowed_dir: str | None = option(
+        None, default_text="none: runtime loading is refused",
+        help="runtime-loaded adapters must lie under this directory")
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), the older form
@@ -90,6 +136,45 @@ class EngineArgs(CliOptions):
         # Checked here too (CacheConfig checks it again) so LLM(kv_cache_dtype=...) fails at once.
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self._resolve_distributed()
+
+    def _resolve_distributed(self) -> None:
+        """Fills the torchrun-style fields from the environment (NNODES, NODE_RANK, MASTER_ADDR,
+        MASTER_PORT) where they were not given, and checks them together."""
+        env = os.environ
+
+        def env_int(name: str) -> int | None:
+            value = env.get(name)
+            if value in (None, ""):
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+        if self.nnodes is None:
+            self.nnodes = env_int("NNODES") or 1
+        if self.node_rank is None:
+            self.node_rank = env_int("NODE_RANK") or 0
+        if self.master_addr is None:
+            self.master_addr = env.get("MASTER_ADDR") or "127.0.0.1"
+        if self.master_port is None:
+            self.master_port = env_int("MASTER_PORT")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes) = [0, {self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks do not "
+                             f"divide evenly over nnodes={self.nnodes} hosts")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (or $MASTER_PORT): every host must reach node 0 on it")
+        if self.master_port is not None and not 1 <= self.master_port <= 65533:
+            raise ValueError(f"master_port must be in [1, 65533] (it and the next two ports are used), "
+                             f"got {self.master_port}")
+        if self.distributed_timeout_s <= 0 or self.step_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s and step_timeout_s must be > 0")
 
     @classmethod
     def cli_title(cls) -> str:

@@ -119,6 +119,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("splitserve:generation_tokens", "Tokens generated.", ln, registry=r)
         self.request_success = Counter("splitserve:request_success", "Finished requests, by finish reason.",
                                        ln + ["finished_reason"], registry=r)
+        self.lora_requests = Counter("splitserve:lora_requests", "Requests that selected a LoRA adapter, by adapter.",
+                                     ln + ["lora_name"], registry=r)
         self.ttft = Histogram("splitserve:time_to_first_token_seconds", "Time from arrival to the first token.",
                               ln, buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("splitserve:inter_token_latency_seconds", "Time between successive token deliveries.",
@@ -199,6 +201,9 @@ class ServerMetrics:
                 self.decode_time.labels(name).observe(max(0.0, st["last"] - st["first"]))
                 if "scheduled" in st:
                     self.inference_time.labels(name).observe(max(0.0, st["last"] - st["scheduled"]))
+
+    def on_lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(self.model_name, lora_name).inc()
 
     def on_step_tokens(self, counts: list[int]) -> None:
         h = self.iteration_tokens.labels(self.model_name)

@@ -66,6 +66,9 @@ class Request:
     mm_items: tuple = ()
     # Structured outputs: its grammar's compile and matcher (structured_output.manager.RequestGrammar).
     grammar: object | None = None
+    # LoRA: its adapter (lora.request.LoRARequest), and whether it holds the adapter's GPU slot.
+    lora_request: object | None = None
+    lora_pinned: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

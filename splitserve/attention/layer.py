@@ -48,6 +48,13 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
                  k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor | None, num_heads: int, num_kv_heads: int, scale: float,
                  sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
+    return _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
+                      sliding_window, soft_cap)
+
+
+def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
+               sliding_window=0, soft_cap=0.0):
+    """The op's body: the backend's forward on the step's metadata."""
     ctx = _context
     if ctx is None:
         raise RuntimeError("attention called outside a forward context")
@@ -110,6 +117,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos_sin = None if self.rotary is None else self.rotary.cos_sin
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Eager on CPU there is no graph to cut: the body directly, without the custom op's
+            # dispatch (Python, about 0.1 ms a call: 3 ms a step of a 30-layer model). Same result.
+            return _attention(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
+                              self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
+                              self.soft_cap or 0.0)
         return attention_op(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
                             self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
                             self.soft_cap or 0.0)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.attention.backend import FP8_E4M3_MAX, FP8_KV_DTYPE, AttentionBackend, AttentionMetadata
+from splitserve.attention.torch_cpu import CPU_PATH_CACHE_DTYPES, CpuAttention
 from splitserve.layers.rotary import apply_rotary
 
 
@@ -124,8 +125,17 @@ class TorchRefBackend(AttentionBackend):
     decode path reads only device tensors, so it runs inside a graph); nothing to precompile."""
     name = "torch_ref"
 
+    def __init__(self, cpu_path: bool = True):
+        # On CPU the same results with fewer ops (torch_cpu.py); cpu_path=False keeps the plain
+        # functions below, for tests that need the oracle itself. An FP8 cache takes the plain path,
+        # and so do layers with a sliding window or a soft cap (the CPU path has neither yet).
+        self._cpu = CpuAttention() if cpu_path else None
+
     def forward(self, q, k, v, kv_cache, meta, scale, positions=None, cos_sin=None, k_scale=None, v_scale=None,
                 sliding_window=None, soft_cap=None):
+        if (self._cpu is not None and kv_cache.device.type == "cpu" and kv_cache.dtype in CPU_PATH_CACHE_DTYPES
+                and sliding_window is None and soft_cap is None):
+            return self._cpu.forward(q, k, v, kv_cache, meta, scale, positions, cos_sin)
         if cos_sin is not None:
             q, k = apply_rotary(q, positions, cos_sin), apply_rotary(k, positions, cos_sin)
         if kv_cache.dtype != FP8_KV_DTYPE:

@@ -37,11 +37,13 @@ class KVCacheManager:
 
     @staticmethod
     def _extra_keys(request: Request, start: int, end: int) -> tuple:
-        """Extra hash keys of tokens [start, end): the hashes of the images whose placeholders overlap
-        them (none for text), so a cached block is reused only for the same image."""
+        """Extra hash keys of tokens [start, end): the request's LoRA adapter id (two adapters never
+        share a block) and the hashes of the images whose placeholders overlap them (none for text),
+        so a cached block is reused only for the same adapter and image."""
+        lora = (request.lora_request.lora_int_id,) if request.lora_request is not None else ()
         if not request.mm_items:
-            return ()
-        return tuple(item.hash for item in request.mm_items if item.offset < end and item.end > start)
+            return lora
+        return lora + tuple(item.hash for item in request.mm_items if item.offset < end and item.end > start)
 
     def _update_block_hashes(self, request: Request, upto_tokens: int) -> None:
         """Extends request.block_hashes over every full block within the first upto_tokens tokens."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from splitserve.lora.request import LoRASlotLoad
 from splitserve.multimodal.inputs import ImageItem
 from splitserve.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int = 0       # prefix-cache hits at admission
     eos_token_ids: tuple[int, ...] = ()  # banned while under min_tokens (unless ignore_eos)
     mm_items: tuple[ImageItem, ...] = ()
+    lora_id: int = 0                   # its LoRA adapter's int id (0: none); the slot comes from lora_loads
 
 
 class ResumedRequestData(msgspec.Struct, array_like=True):
@@ -74,6 +76,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     finished_req_ids: list[str] = []   # left for good since the last message
     preempted_req_ids: list[str] = []  # blocks freed since the last message; the worker keeps their state
     grammar: GrammarBitmask | None = None  # structured outputs: masks of the constrained rows that sample
+    lora_loads: list[LoRASlotLoad] = []  # LoRA adapters to put into GPU slots before this step runs
 
     @property
     def is_empty(self) -> bool:

@@ -15,6 +15,10 @@ Structured outputs: a constrained request is admitted only once its grammar has 
 compiling is passed over, and keeps its place in the queue); each token it samples advances its
 grammar matcher, and a grammar that reaches its end ends the request (the manager lives next to the
 scheduler, in the engine core: structured_output/manager.py).
+
+LoRA: a request with an adapter is admitted only once the adapter is in host memory and has (or can
+take) a GPU slot; otherwise it is passed over like a compiling grammar. A running request pins its
+adapter's slot (lora/manager.py), so a step never holds more distinct adapters than --max-loras.
 """
 from __future__ import annotations
 
@@ -30,10 +34,11 @@ __all__ = ["Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, structured=None):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, structured=None, lora=None):
         self.config = config
         self.kv = kv_manager
         self.structured = structured  # StructuredOutputManager, or None (no constrained requests)
+        self.lora = lora  # lora.manager.LoRAManager, or None (LoRA not enabled)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -102,11 +107,16 @@ class Scheduler:
             if request.grammar is not None and not self.structured.is_ready(request):
                 compiling.append(self.waiting.popleft())
                 continue
+            if request.lora_request is not None and not self.lora.can_admit(request.lora_request):
+                compiling.append(self.waiting.popleft())  # adapter loading, or every slot held
+                continue
             hits, num_cached = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
             self.waiting.popleft()
+            if request.lora_request is not None:
+                self.lora.pin(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
@@ -123,19 +133,24 @@ class Scheduler:
                 request.in_worker = True
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
-                    num_cached, request.eos_token_ids, request.mm_items))
+                    num_cached, request.eos_token_ids, request.mm_items,
+                    request.lora_request.lora_int_id if request.lora_request is not None else 0))
             budget -= n
         self.waiting.extendleft(reversed(compiling))
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
+        if self.lora is not None:
+            out.lora_loads = self.lora.take_loads()
         if scheduled:
             self._steps[out.step_id] = scheduled
         return out
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        if request.lora_pinned:
+            self.lora.unpin(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_worker_blocks = 0
@@ -246,6 +261,8 @@ class Scheduler:
         elif request in self.waiting:  # preempted while its last step ran, then finished by its result
             self.waiting.remove(request)
         self.kv.free(request)
+        if request.lora_pinned:
+            self.lora.unpin(request)
         self.requests.pop(request.request_id, None)
         if request.grammar is not None:
             self.structured.release(request)

@@ -288,7 +288,8 @@ class AsyncLLMEngine:
             except (zmq.Again, zmq.ZMQError):  # the core is gone; its loss is reported elsewhere
                 logger.warning("could not send %s to the engine core", what)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    lora_request=None) -> RequestStream:
         """Validates and queues a request; returns its stream. Raises at once (before anything is
         queued) with ValueError for bad input, EngineOverloadedError when the queue is full and
         EngineShutdownError when stopping. Must be called on the event loop thread; the server hands
@@ -310,7 +311,7 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request_id, core_requests = self.front.new_request(request_id, prompt, params)
+        request_id, core_requests = self.front.new_request(request_id, prompt, params, lora_request=lora_request)
         try:
             data = self._to_core.encode(AddRequests(core_requests))
         except (msgspec.EncodeError, OverflowError) as e:  # e.g. a seed beyond 64 bits
@@ -398,6 +399,9 @@ class AsyncLLMEngine:
             for reason, ids in drop.items():
                 self._send(AbortRequests(ids, reason))
             self._dispatch(outputs, msg.timestamp)
+        if msg.dead is not None and msg.process_lost:
+            # A rank is gone: the core exits after this message; fail everything now and exit (503 meanwhile).
+            self._on_core_gone(f"the engine lost a process: {msg.dead}")
         if msg.dead is not None and self._dead is None:
             # The core gave up (steps keep failing): new requests get 503, /health turns 503, and the
             # server stays up to say so.

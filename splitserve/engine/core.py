@@ -20,11 +20,13 @@ from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelCo
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
+from splitserve.distributed.worker_messages import RanksLostError
 from splitserve.engine.fault_injection import install_step_faults
 from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
 from splitserve.models.generation_config import sampling_defaults
 from splitserve.layers.quantization.config import resolve_quant_config
+from splitserve.models.text_config import layer_sliding_windows
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, load_tokenizer, resolve_model
@@ -59,7 +61,13 @@ def seed_everything(seed: int) -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot run steps any more; the server should report itself unhealthy."""
+    """The engine cannot run steps any more; the server should report itself unhealthy.
+    `process_lost`: a process of the engine (a worker rank) is gone or hung; the server exits, as when
+    it loses the engine core process itself."""
+
+    def __init__(self, message: str, process_lost: bool = False):
+        super().__init__(message)
+        self.process_lost = process_lost
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class ModelSpec:
     served_model_names: tuple[str, ...] = ()
     tokenizer_source: ModelSource | None = None
     sampling_defaults: dict = field(default_factory=dict)
+    lora_config: object | None = None  # lora.registry.LoRAConfig with --enable-lora
 
 
 def _check_device(device: str) -> None:
@@ -110,7 +119,8 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
         compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
     names = tuple(args.served_model_name or (source.name,))
-    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults)
+    from splitserve.lora.registry import lora_config_from_args
+    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults, lora_config_from_args(args))
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
@@ -140,6 +150,55 @@ class EngineCore:
         _check_kv_cache_dtype(config)  # here, not in resolve_model_spec: the front must not touch CUDA
         self.config = config
         device, m = config.device, config.model
+        self.lora = None  # the LoRAManager with --enable-lora (lora/)
+        if args.world_size > 1:
+            self._init_ranks(args, spec)
+        else:
+            self._init_runner(args, spec)
+        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
+        # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
+        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
+                                         sliding_window=self._kv_free_window(m.hf_config))
+        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
+        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
+                                                  lambda: _core_tokenizer(spec, args.random_weights))
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
+        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        self._inflight = None  # the launched step whose results are not processed yet
+        self._failed_steps_in_a_row = 0
+        self.num_received = 0
+        self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
+        # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
+        # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
+        # them out of the collector's view (what start-up left as garbage stays: a little memory).
+        gc.freeze()
+        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
+            seed_everything(args.seed)
+        placement = device if args.world_size == 1 else (
+            f"{args.world_size} ranks (tp {args.tensor_parallel_size} x pp {args.pipeline_parallel_size}) on {device}")
+        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
+                    placement, m.dtype, config.attention_backend,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."), m.quantization or "none")
+
+    def _init_ranks(self, args: EngineArgs, spec: ModelSpec) -> None:
+        """World size > 1: one worker process per rank, stepped through the executor (distributed/)."""
+        from splitserve.distributed.executor import MultiprocExecutor
+        if args.node_rank != 0:
+            raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; on the other nodes "
+                             f"`splitserve serve --node-rank {args.node_rank} ...` starts their ranks only")
+        if args.enable_lora:
+            raise ValueError("--enable-lora with tensor or pipeline parallelism is not supported yet: "
+                             "serve adapters with --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        config = spec.config
+        self.runner = MultiprocExecutor(args, spec, resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
+                                                                           config.model.dtype))
+        self.num_blocks = self.runner.num_blocks
+        self.model = None  # in the ranks
+
+    def _init_runner(self, args: EngineArgs, spec: ModelSpec) -> None:
+        """World size 1: the model and its runner in this process."""
+        config = spec.config
+        device, m = config.device, config.model
         compiles = device.startswith("cuda") and not args.enforce_eager
         # The compiler stack's Python sources and the attention kernels compile in forked children
         # while the model is built; forked before any thread of ours starts.
@@ -154,7 +213,11 @@ class EngineCore:
             t0 = time.perf_counter()
             _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
-            self.runner = ModelRunner(config, model)
+            self.lora, lora_worker = None, None  # LoRAManager / LoRAWorker with --enable-lora
+            if args.enable_lora:
+                from splitserve.lora.manager import build_lora
+                self.lora, lora_worker = build_lora(args, m.hf_config, m.dtype, model)
+            self.runner = ModelRunner(config, model, lora_worker)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)
             if bytecode is not None:
@@ -163,37 +226,47 @@ class EngineCore:
         finally:
             if precompile is not None:
                 precompile.finish()
-        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
         self.model = model
-        # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
-        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
-                                         sliding_window=kv_free_window(model))
-        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
-        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
-                                                  lambda: _core_tokenizer(spec, args.random_weights))
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured)
-        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
-        self._inflight = None  # the launched step whose results are not processed yet
-        self._failed_steps_in_a_row = 0
-        self.num_received = 0
-        self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
-        # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
-        # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
-        # them out of the collector's view (what start-up left as garbage stays: a little memory).
-        gc.freeze()
-        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
-            seed_everything(args.seed)
-        logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
-                    device, m.dtype, config.attention_backend, str(self.runner.kv_cache_dtype).removeprefix("torch."),
-                    m.quantization or "none")
+
+    def _kv_free_window(self, hf_config) -> int | None:
+        """The window after which the KV manager frees a request's blocks: read off the model's
+        Attention layers in this process; with ranks (the model is in their processes) from the
+        config, by the rule the Llama-family models read their windows with."""
+        if self.model is not None:
+            return kv_free_window(self.model)
+        try:
+            windows = layer_sliding_windows(getattr(hf_config, "text_config", None) or hf_config)
+        except AttributeError:
+            return None
+        return None if not windows or None in windows else max(windows)
+
+    def check_ranks(self) -> None:
+        """Raises EngineDeadError if a worker rank died or failed (the core loop asks while idle)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            try:
+                check()
+            except RanksLostError as exc:
+                raise EngineDeadError(str(exc), process_lost=True) from exc
+
+    def shutdown(self) -> None:
+        """Stops the worker processes (world size > 1); nothing to do in one process."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self.num_received += 1
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items)
+                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items,
+                          lora_request=req.lora_request)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_request is not None:
+            if self.lora is None:
+                raise ValueError("a LoRA adapter was requested, but LoRA is not enabled (--enable-lora)")
+            self.lora.is_loaded(req.lora_request)  # starts loading it, off the step loop
         if req.sampling_params.structured_outputs is not None:
             self.structured.register(request)  # its grammar compiles meanwhile; admitted when ready
         self.scheduler.add_request(request)
@@ -216,7 +289,13 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if sched.has_removals:
-                self.runner.update_states(sched)
+                self._update_states(sched)
+
+    def _update_states(self, sched) -> None:
+        try:
+            self.runner.update_states(sched)
+        except RanksLostError as exc:
+            raise EngineDeadError(str(exc), process_lost=True) from exc
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -241,6 +320,8 @@ class EngineCore:
             inflight = None
         if self.structured.live:
             outputs += self._fail_grammars()
+        if self.lora is not None:
+            outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
         if not sched.is_empty:
@@ -249,16 +330,21 @@ class EngineCore:
             sched.grammar = self.structured.step_bitmask(sched, self.scheduler.samples_after)
             try:
                 launched = self.runner.launch(sched, inflight)
+            except RanksLostError as exc:
+                raise EngineDeadError(str(exc), process_lost=True) from exc
             except Exception as exc:
                 outputs += self._fail_step(sched, exc, launched=False)
             else:
                 num_samples = self.scheduler.advance(sched)
-                assert num_samples == len(launched.sample_requests), "scheduler and worker disagree on who samples"
+                assert launched.sample_requests is None or num_samples == len(launched.sample_requests), \
+                    "scheduler and worker disagree on who samples"
                 self._inflight = launched
         elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
-            self.runner.update_states(sched)
+            self._update_states(sched)
         if sched.is_empty and inflight is None and self._inflight is None and self.structured.live:
             self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar
+        if sched.is_empty and inflight is None and self._inflight is None and self.lora is not None:
+            self.lora.wait_for_loads(_COMPILE_WAIT_S)  # or for an adapter to load
         if inflight is not None:
             outputs += self._process(inflight)
         if self._inflight is not None and not self.async_scheduling:
@@ -277,6 +363,18 @@ class EngineCore:
                 outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason))
         return outputs
 
+    def _fail_lora_loads(self) -> list[EngineCoreOutput]:
+        """Ends the waiting requests whose adapter failed to load (the front checks adapters, so this
+        is rare: files removed or changed since)."""
+        outputs = []
+        for lora_id, reason in self.lora.take_failed():
+            ids = [r.request_id for r in self.scheduler.waiting
+                   if r.lora_request is not None and r.lora_request.lora_int_id == lora_id]
+            for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=reason))
+            self.lora.forget(lora_id)
+        return outputs
+
     def _fail_step(self, sched, exc: Exception, launched: bool = True) -> list[EngineCoreOutput]:
         """A failed step fails its requests, not the engine (unless steps keep failing)."""
         logger.exception("model step failed; failing its %d requests", len(sched.num_scheduled_tokens))
@@ -293,6 +391,8 @@ class EngineCore:
         sched = inflight.sched
         try:
             result = self.runner.collect(inflight)
+        except RanksLostError as exc:
+            raise EngineDeadError(str(exc), process_lost=True) from exc
         except Exception as exc:
             return self._fail_step(sched, exc)
         self._failed_steps_in_a_row = 0

@@ -52,11 +52,20 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
     backoff = False
     step_tokens: list[int] = []  # of the steps launched since the last message (for the metrics)
 
-    def send(outputs: list[EngineCoreOutput], stats: SchedulerStats, dead: str | None = None) -> None:
+    def send(outputs: list[EngineCoreOutput], stats: SchedulerStats, dead: str | None = None,
+             process_lost: bool = False) -> None:
         nonlocal last_stats, step_tokens
-        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead, step_tokens)),
-                 copy=False)
+        out.send(encoder.encode(EngineCoreOutputs(outputs, stats, time.monotonic(), dead, step_tokens,
+                                                  process_lost)), copy=False)
         last_stats, step_tokens = stats, []
+
+    def give_up(e: Exception) -> int:
+        logger.error("the engine core cannot go on: %s", e, exc_info=not getattr(e, "process_lost", False))
+        ids = list(core.scheduler.requests)
+        core.abort_requests(ids, "error")
+        send([EngineCoreOutput(rid, [], finish_reason="error") for rid in ids], core.stats(), dead=str(e),
+             process_lost=getattr(e, "process_lost", False))
+        return 1
 
     while True:
         busy = core.has_unfinished_requests()
@@ -78,6 +87,11 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
         elif not busy and parent_pid is not None and os.getppid() != parent_pid:
             logger.error("the front process is gone; the engine core exits")
             return 1
+        elif not busy and hasattr(core, "check_ranks"):
+            try:
+                core.check_ranks()  # a worker rank that died while idle
+            except EngineDeadError as e:
+                return give_up(e)
         if stop:
             return 0
         backoff = False
@@ -89,11 +103,7 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
                 if getattr(core, "last_step_tokens", 0):  # (test doubles of the core may lack it)
                     step_tokens.append(core.last_step_tokens)
             except EngineDeadError as e:
-                logger.exception("the engine core cannot go on")
-                ids = list(core.scheduler.requests)
-                core.abort_requests(ids, "error")
-                send([EngineCoreOutput(rid, [], finish_reason="error") for rid in ids], core.stats(), dead=str(e))
-                return 1
+                return give_up(e)
             except Exception as e:
                 # The step failed outside the model call (which fails only its own batch): fail
                 # everything in flight and keep serving new requests.
@@ -142,7 +152,10 @@ def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, 
         out.close(linger=2000)
         os._exit(1)
     out.send(ready.encode(CoreReady(core.num_blocks, core.config.cache.block_size)))
-    code = run_core_loop(core, inp, out, parent_pid)
+    try:
+        code = run_core_loop(core, inp, out, parent_pid)
+    finally:
+        core.shutdown()  # the worker processes of a multi-rank engine
     out.close(linger=2000)
     inp.close(linger=0)
     os._exit(code)  # skip interpreter teardown (CUDA, compiled graphs): nothing is left to save

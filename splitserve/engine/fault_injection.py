@@ -60,3 +60,35 @@ def install_step_faults(runner, spec: str | None = None) -> bool:
     runner.launch = faulty_launch
     logger.warning("fault injection is on (%s=%s): model steps will fail on purpose", ENV_VAR, spec)
     return True
+
+
+# -- faults of one worker process (world size > 1) ----------------------------------------------------
+RANK_ENV_VAR = "SPLITSERVE_INJECT_RANK_FAULT"
+RANK_FAULT_KINDS = ("exit", "hang", "raise", "startup_oom")
+
+
+def parse_rank_fault(spec: str) -> tuple[int, int, str]:
+    """`rank=R,step=N,kind=K` -> (R, N, K): worker rank R, at its N-th step (from 1), exits at once
+    (`exit`: a process that dies), stops answering (`hang`) or raises (`raise`); `startup_oom` raises
+    an out-of-memory error while rank R starts (step is then ignored)."""
+    fields = dict(part.strip().partition("=")[::2] for part in spec.split(",") if part.strip())
+    try:
+        rank, step, kind = int(fields["rank"]), int(fields.get("step", "1")), fields["kind"]
+    except (KeyError, ValueError):
+        raise ValueError(f"{RANK_ENV_VAR}: expected rank=R,step=N,kind=K, got {spec!r}") from None
+    if kind not in RANK_FAULT_KINDS or rank < 0 or step < 1:
+        raise ValueError(f"{RANK_ENV_VAR}: kind must be one of {', '.join(RANK_FAULT_KINDS)}, rank >= 0, "
+                         f"step >= 1; got {spec!r}")
+    return rank, step, kind
+
+
+def rank_fault(rank: int) -> tuple[int, str] | None:
+    """(step, kind) of the fault this rank is asked to inject, or None (the normal case)."""
+    spec = os.environ.get(RANK_ENV_VAR)
+    if not spec:
+        return None
+    fault_rank, step, kind = parse_rank_fault(spec)
+    if fault_rank != rank:
+        return None
+    logger.warning("fault injection is on (%s=%s): rank %d will fail on purpose", RANK_ENV_VAR, spec, rank)
+    return step, kind

@@ -71,6 +71,9 @@ class EngineFront:
         self.kv_capacity_tokens = num_blocks * block_size
         self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self._ids = itertools.count()
+        from splitserve.lora.registry import LoRARegistry
+        # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.
+        self.loras = LoRARegistry(spec.lora_config, spec.config.model.hf_config, self.model_name)
 
     @property
     def states(self) -> dict[str, RequestState]:
@@ -132,10 +135,14 @@ class EngineFront:
         return seqs
 
     def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> tuple[str, list[EngineCoreRequest]]:
+                    arrival_time: float | None = None, stream: bool = True,
+                    lora_request=None) -> tuple[str, list[EngineCoreRequest]]:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
-        id with the core requests of its sequences (one, or n for parallel samples)."""
+        id with the core requests of its sequences (one, or n for parallel samples). `lora_request`:
+        a lora.request.LoRARequest, or None for the base model."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            self.loras.check(lora_request)
         vocab = self.config.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
             params = dataclasses.replace(params, stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
@@ -152,5 +159,6 @@ class EngineFront:
                              eos, arrival, self.tokenizer, stream)
         self.output_processor.add_request(state)
         mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
-        return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items)
+        return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
+                                              lora_request)
                             for c in state.children]

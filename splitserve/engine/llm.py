@@ -42,9 +42,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of the prompts. A prompt is
-        text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. `lora_request`: a
+        LoRARequest for every prompt, or a list of one (or None) per prompt (needs enable_lora)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [self._unwrap(p) for p in prompts]
@@ -54,11 +55,20 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        else:
+            loras = [lora_request] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for ids, sp in zip(tokenized, params):
             self.engine.validate(ids, sp)
-        ids = [self.engine.add_request(None, p, sp, stream=False) for p, sp in zip(prompts, params)]
+        for lora in {id(x): x for x in loras if x is not None}.values():
+            self.engine.front.loras.check(lora)
+        ids = [self.engine.add_request(None, p, sp, stream=False, lora_request=lr)
+               for p, sp, lr in zip(prompts, params, loras)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

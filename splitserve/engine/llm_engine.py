@@ -109,10 +109,11 @@ class LLMEngine:
         return self.front.validate(prompt_ids, params)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> str:
+                    arrival_time: float | None = None, stream: bool = True, lora_request=None) -> str:
         """Queues a request. With stream=False, step() reports it only once it has finished (offline
         use: no per-token output objects)."""
-        request_id, core_requests = self.front.new_request(request_id, prompt, params, arrival_time, stream)
+        request_id, core_requests = self.front.new_request(request_id, prompt, params, arrival_time, stream,
+                                                           lora_request)
         for req in core_requests:
             self.core.add_request(req)
         return request_id

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
+from splitserve.lora.request import LoRARequest
 from splitserve.multimodal.inputs import ImageItem
 from splitserve.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     max_total_tokens: int          # prompt + output cap (the model's context, or prompt + max_tokens)
     arrival_time: float
     mm_items: tuple[ImageItem, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True):
@@ -70,6 +72,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):
     dead: str | None = None          # the core cannot go on: why (the last message it sends)
     # Tokens run by each step launched since the previous message (one entry a step, usually one).
     step_tokens: list[int] = []
+    # With `dead`: a process of the engine (a worker rank) is gone or hung, and the core exits too; the
+    # front then fails everything and exits as when it loses the core process itself.
+    process_lost: bool = False
 
 
 class CoreReady(msgspec.Struct, array_like=True, tag=True):

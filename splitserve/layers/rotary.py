@@ -68,3 +68,12 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     x1, x2 = rot.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary(q, ...), apply_rotary(k, ...) (the same values: the same element-wise maths) in
+    one pass over [T, Hq + Hkv, D]: one table lookup and one set of element-wise ops instead of two.
+    Returns views of one tensor."""
+    qk = apply_rotary(torch.cat([q, k], dim=1), positions, cos_sin)
+    return qk.split([q.shape[1], k.shape[1]], dim=1)

@@ -12,6 +12,7 @@ from torch import nn
 
 from splitserve.attention.layer import Attention, kv_scale_targets
 from splitserve.layers.activation import silu_and_mul
+from splitserve.layers.cpu_gemm import linear
 from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.quantization.base import QuantConfig, method_for
 from splitserve.layers.norm import RMSNorm
@@ -132,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             return logits if out is None else out.copy_(logits)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
-            return torch.nn.functional.linear(hidden, weight)
+            return linear(hidden, weight)
         return torch.mm(hidden, weight.t(), out=out)
 
     # -- weights ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from splitserve.core.sched_output import NewRequestData, SchedulerOutput
 class CachedRequestState:
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "eos_token_ids",
                  "mm_items", "min_tokens_bans", "bias_ids", "bias_values", "allowed_ids", "bad_word_seqs",
-                 "generator", "row", "num_pending", "pending_src", "pending_step", "_batch")
+                 "generator", "row", "num_pending", "pending_src", "pending_step", "lora_id", "_batch")
 
     def __init__(self, new: NewRequestData, batch: "InputBatch"):
         self.req_id = new.req_id
@@ -41,6 +41,7 @@ class CachedRequestState:
         self.sampling_params = new.sampling_params
         self.eos_token_ids = new.eos_token_ids
         self.mm_items = new.mm_items
+        self.lora_id = new.lora_id
         p = new.sampling_params
         vocab = batch.vocab_size
         # Ids it may not sample while under min_tokens.
@@ -96,6 +97,7 @@ class InputBatch:
         self.pending_src = np.full(R, -1, dtype=np.int64)
         self.pending_step = np.full(R, -1, dtype=np.int64)
         self.mm_end = np.zeros(R, dtype=np.int64)  # end of the last image placeholder run (0: none)
+        self.lora_id = np.zeros(R, dtype=np.int64)  # the row's LoRA adapter id (0: none)
         # Sampling parameters per row.
         self.greedy = np.zeros(R, dtype=bool)
         self.temperature = np.zeros(R, dtype=np.float64)
@@ -173,6 +175,7 @@ class InputBatch:
         self.block_table[row, :len(block_ids)] = block_ids
         self.num_blocks[row] = len(block_ids)
         self.mm_end[row] = state.mm_items[-1].end if state.mm_items else 0
+        self.lora_id[row] = state.lora_id
         p = state.sampling_params
         self.greedy[row] = p.greedy
         self.temperature[row] = p.temperature

@@ -131,8 +131,9 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, lora=None):
         self.config = config
+        self.lora = lora  # lora.worker.LoRAWorker when LoRA is enabled
         self.model = model
         self.device = torch.device(config.device)
         self.backend = get_backend(config.attention_backend)
@@ -240,6 +241,8 @@ class ModelRunner:
         it to the device. Tokens still pending from the in-flight step are taken from its sampled
         tokens on the device."""
         ib = self.input_batch
+        if self.lora is not None:  # slots first: new rows look their adapter's slot up
+            self.lora.apply_loads(sched.lora_loads)
         ib.update(sched)
         bs = self.block_size
         st = self.stagings[self.num_launched % 2]
@@ -292,6 +295,8 @@ class ModelRunner:
             st.fill_dst[:len(pending)] = last[pending]
             st.fill_src[:len(pending)] = fill_src = ib.pending_src[pending_rows]
         ib.record_launch(rows, seq_lens, sample_rows, self.num_launched)
+        if self.lora is not None:
+            self.lora.prepare_step(ib.lora_id[rows], counts, self.device)
 
         t = st.tensors
         dev = self.device
@@ -324,12 +329,14 @@ class ModelRunner:
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         meta = batch.meta
         num_seqs = meta.num_seqs
-        if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
+        # Graphs are captured without LoRA deltas: a step with adapters runs the compiled layers eagerly.
+        graphs_ok = self.lora is None or not self.lora.active
+        if (graphs_ok and self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
             return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta)
         ctx = ForwardContext(meta, self.backend)
-        if (self.piecewise is not None and batch.inputs_embeds is None
+        if (graphs_ok and self.piecewise is not None and batch.inputs_embeds is None
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
             hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx)
         else:

@@ -245,7 +245,7 @@ def test_backend_matches_reference(scenario, dtype):
     # with the model's rotary table, as the attention op calls it
     rotary = RotaryEmbedding(head_dim, 256, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
     positions = torch.randint(0, 256, (q.shape[0],), generator=g).to(DEVICE)
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125, positions, rotary.cos_sin)
+    ref = TorchRefBackend(cpu_path=False).forward(q, k, v, ref_cache, meta, 0.125, positions, rotary.cos_sin)
     backend = TritonBackend()
     assert backend.name == "triton"
     if scenario == "decode_only":  # a fixed split count, as a captured decode graph's metadata has
@@ -269,7 +269,7 @@ def test_decode_graph_hooks_match_reference():
     k = torch.randn(3, 2, 64, generator=g).to(DEVICE)
     v = torch.randn(3, 2, 64, generator=g).to(DEVICE)
     ref_cache = cache.clone()
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125)
+    ref = TorchRefBackend(cpu_path=False).forward(q, k, v, ref_cache, meta, 0.125)
     backend = TritonBackend()
     state = backend.decode_graph_state(8, meta.block_tables.shape[1] + 3, 1024, 2, torch.device(DEVICE))
     # What a previous step of 5 sequences left there, and stale block ids past this step's table width.

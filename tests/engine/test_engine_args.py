@@ -76,8 +76,13 @@ def test_defaults_parse_to_the_dataclass_defaults(cls, monkeypatch):
     assert cls.from_namespace(parse_serve([])) == cls()
 
 
-# A field that is valid only together with another: its round trip sets both.
-NEEDS = {"enable_auto_tool_choice": ("tool_call_parser", "hermes")}
+# A field that is valid only together with others: its round trip sets them too.
+# (field, value): the flag is given as str(value).
+HOSTS = (("nnodes", 2), ("master_port", 29500), ("tensor_parallel_size", 2))
+NEEDS = {"enable_auto_tool_choice": (("tool_call_parser", "hermes"),),
+         "nnodes": HOSTS[1:], "node_rank": HOSTS}
+# Values other than other_value's, where that one cannot be valid (the ranks must divide over the hosts).
+VALUES = {"nnodes": 2, "node_rank": 1}
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
@@ -85,11 +90,12 @@ def test_each_field_round_trips(cls):
     flags, positional, expected = [], [], {}
     for f in dataclasses.fields(cls):
         value, argv = other_value(cls, f)
+        if f.name in VALUES:
+            value, argv = VALUES[f.name], [flag_name(f.name), str(VALUES[f.name])]
         extra = {}
-        if f.name in NEEDS:
-            dep, dep_value = NEEDS[f.name]
+        for dep, dep_value in NEEDS.get(f.name, ()):
             extra[dep] = dep_value
-        dep_argv = [a for dep, v in extra.items() for a in (f"--{dep.replace('_', '-')}", v)]
+        dep_argv = [a for dep, v in extra.items() for a in (f"--{dep.replace('_', '-')}", str(v))]
         got = cls.from_namespace(parse_serve(argv + dep_argv))
         assert getattr(got, f.name) == value, (f.name, argv)
         assert got == dataclasses.replace(cls(), **{f.name: value}, **extra), f.name

@@ -23,7 +23,7 @@ from importlib import resources
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,7 +31,7 @@ from splitserve import __version__
 from splitserve.engine.async_engine import AsyncLLMEngine
 from splitserve.engine_args import EngineArgs
 from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from splitserve.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from splitserve.entrypoints.openai.protocol import (APIError, LoadLoRAAdapterRequest, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                                     TokenizeRequest)
 from splitserve.entrypoints.openai.server_args import ServerArgs
@@ -189,17 +189,25 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
     api = APIRouter(dependencies=[Depends(require_key)])
 
     def model_card(name: str) -> ModelCard:
+        lora = serving.loras.get(name) if serving.loras is not None else None
+        if lora is not None:  # a LoRA adapter: its directory, and the base model as its parent
+            return ModelCard(id=name, root=lora.lora_path, max_model_len=serving.max_model_len,
+                             parent=serving.model_name)
         return ModelCard(id=name, root=serving.model_root, max_model_len=serving.max_model_len,
                          quantization=serving.quantization)
 
     @api.get("/v1/models")
     async def models() -> dict:
-        return ModelList(data=[model_card(n) for n in serving.served_model_names]).model_dump()
+        names = serving.served_model_names + serving.lora_names()
+        return ModelList(data=[model_card(n) for n in names]).model_dump()
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         serving.check_model(model_id)  # 404 in the OpenAI shape for a name this server does not serve
         return model_card(model_id).model_dump()
+
+    serving.on_lora_request = metrics.on_lora_request
+    add_lora_routes(api, serving)
 
     @api.post("/v1/completions", dependencies=[Depends(accepting)])
     async def completions(body: CompletionRequest, request: Request):
@@ -264,6 +272,39 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         return HTMLResponse(page)
 
     return app
+
+
+def add_lora_routes(api: APIRouter, serving: OpenAIServing) -> None:
+    """vLLM's runtime adapter endpoints (with --allow-runtime-lora); the answers are vLLM's texts."""
+
+    def refuse(e: Exception):
+        if isinstance(e, PermissionError):
+            raise APIError(404 if "is off" in str(e) or "not enabled" in str(e) else 400, str(e),
+                           param="lora_path") from None
+        raise APIError(400, str(e), param="lora_path") from None
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        if serving.loras is None or not serving.loras.enabled:
+            raise APIError(404, "LoRA is not enabled on this server (--enable-lora)", param="lora_name")
+        try:  # reads the adapter's config and tensor shapes (small files), not its weights
+            await serving._off_loop(1 << 20, serving.loras.add_at_runtime, body.lora_name, body.lora_path or "")
+        except (ValueError, PermissionError) as e:
+            refuse(e)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        if serving.loras is None or not serving.loras.enabled:
+            raise APIError(404, "LoRA is not enabled on this server (--enable-lora)", param="lora_name")
+        try:
+            serving.loras.remove(body.lora_name)
+        except PermissionError as e:
+            refuse(e)
+        except KeyError:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                           code="model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _make_server(config, on_signal):

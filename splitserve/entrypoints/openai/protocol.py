@@ -462,6 +462,14 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     quantization: str | None = None  # which quantization runs (vLLM's name first), None for float weights
+    parent: str | None = None  # a LoRA adapter's base model (None for the base model itself)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    lora_name: str
+    lora_path: str | None = None
+    lora_int_id: int | None = None  # accepted as vLLM does; ids are the server's own
 
 
 class ModelList(BaseModel):

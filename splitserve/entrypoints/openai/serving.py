@@ -78,6 +78,9 @@ class OpenAIServing:
         self.model_name = model_name
         # --served-model-name a b: clients may send any of them; responses name the first.
         self.served_model_names = tuple(getattr(engine.engine, "served_model_names", None) or (model_name,))
+        # LoRA adapters clients select with model=NAME (lora/registry.py); None without a front (fakes)
+        self.loras = getattr(getattr(engine, "front", None), "loras", None)
+        self.on_lora_request = None  # (adapter name) -> None: the server's per-adapter request count
         self.model_root = model_root
         # The generation config's sampling defaults, for fields a request leaves unset.
         self.sampling_defaults = dict(getattr(engine.engine, "sampling_defaults", None) or {})
@@ -99,11 +102,19 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- shared ---------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None):
+        """The LoRA adapter a model name selects (None: the base model); 404 for an unknown name."""
         if model is not None and model not in self.served_model_names:
-            served = ", ".join(f"`{n}`" for n in self.served_model_names)
+            lora = self.loras.get(model) if self.loras is not None else None
+            if lora is not None:
+                return lora
+            served = ", ".join(f"`{n}`" for n in self.served_model_names + self.lora_names())
             raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
+        return None
+
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(self.loras.by_name) if self.loras is not None else ()
 
     async def _off_loop(self, text_chars: int, fn, *args, **kwargs):
         """fn(*args, **kwargs) on a tokenizer worker thread when it handles more than
@@ -192,7 +203,7 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, param: str) -> RequestStream:
+    def _add(self, request_id: str, prompt, params: SamplingParams, param: str, lora_request=None) -> RequestStream:
         if not isinstance(prompt, str):
             self._check_length(prompt, param)
         if self.log_requests:  # never the text: prompts may be private
@@ -202,7 +213,7 @@ class OpenAIServing:
                         params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
                         params.max_tokens, params.seed, params.logprobs)
         try:
-            return self.engine.add_request(request_id, prompt, params)
+            stream = self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
         except EngineOverloadedError as e:
             raise overloaded(str(e)) from None
         except EngineShutdownError as e:
@@ -217,13 +228,17 @@ class OpenAIServing:
             elif "max_tokens" in message:
                 param = "max_tokens"
             raise APIError(400, message, param=param) from None
+        if lora_request is not None and self.on_lora_request is not None:
+            self.on_lora_request(lora_request.lora_name)
+        return stream
 
-    def _add_all(self, base_id: str, prompts: list, params: SamplingParams, param: str) -> list[RequestStream]:
+    def _add_all(self, base_id: str, prompts: list, params: SamplingParams, param: str,
+                 lora_request=None) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(self._add(rid, prompt, params, param))
+                streams.append(self._add(rid, prompt, params, param, lora_request))
         except BaseException:
             self._abort(streams)  # all or nothing: a bad prompt in a batch leaves no work behind
             raise
@@ -373,7 +388,7 @@ class OpenAIServing:
 
     # -- /v1/completions ------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = req.to_sampling_params(self.sampling_defaults)
         await self._check_constraint(params, req.constraint_field)
         prompts = req.prompts()
@@ -382,7 +397,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         text_chars = sum(len(p) for p in prompts if isinstance(p, str))
         prompt_ids = await self._off_loop(text_chars, self._tokenize_prompts, prompts)
-        streams = self._add_all(request_id, prompt_ids, params, "prompt")
+        streams = self._add_all(request_id, prompt_ids, params, "prompt", lora)
         echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
         if req.stream:
             return self._stream_response(self._completion_events(req, request_id, streams, params, echoes), streams)
@@ -446,7 +461,7 @@ class OpenAIServing:
 
     # -- /v1/chat/completions -------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = req.to_sampling_params(self.sampling_defaults)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = tools_io.constrain(plan, params, self.tool_parser)
@@ -460,7 +475,7 @@ class OpenAIServing:
         if sources:
             prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._add_all(request_id, [prompt], params, "messages")
+        streams = self._add_all(request_id, [prompt], params, "messages", lora)
         top_k = req.top_logprobs or 0
         if req.stream:
             return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k, plan), streams)

@@ -1,0 +1,314 @@
+"""The engine core's side of the worker processes (world size > 1): it stands where the in-process
+`ModelRunner` stands (`launch`, `collect`, `update_states`), so `EngineCore` steps the same way.
+
+Each step message is encoded once and published to every rank on one ZeroMQ XPUB socket (a copy per
+subscriber is zmq's, not ours: no pickle per rank); the sampling rank's `StepDone` comes back on a
+PULL socket. On one host the sockets are ipc:// files; with --nnodes > 1 they are tcp:// on
+master_addr, ports master_port + 1 (steps) and + 2 (results), which the headless nodes' ranks reach.
+
+Faults: while it waits the executor watches its local worker processes (a dead one), `RankFailed` /
+`RankLost` messages (a rank's exception, a headless node's dead worker), and the clock (a step that
+no rank has answered within step_timeout_s is a hung rank). Any of them ends the engine
+(`RanksLostError`, which the core turns into its EngineDeadError: the other ranks' collectives cannot line
+up again); the
+executor stops every local worker first. Workers die with the core's process (PR_SET_PDEATHSIG) and
+leave when its sockets disappear, so nothing outlives the engine.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+
+import zmq
+
+from splitserve.distributed.worker import worker_main
+from splitserve.distributed.worker_messages import (CoreToWorker, RankBlocks, RankFailed, RankLost, RankReady, RanksLostError,
+                                                    RunStep, StartKV, StepDone, Stop, UpdateStates, WorkerToCore)
+from splitserve.engine.messages import Codec
+from splitserve.worker.model_runner import StepResult
+
+logger = logging.getLogger(__name__)
+
+_WATCH_MS = 100
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Addresses:
+    init_method: str   # torch.distributed's rendezvous
+    step: str          # where ranks connect for step messages
+    result: str        # where ranks connect to answer
+    step_bind: str     # what the core binds
+    result_bind: str
+
+
+def addresses(args, ipc_dir: str | None) -> Addresses:
+    """One host: ipc:// files in ipc_dir and a free port for torch (unless --master-port). Several:
+    tcp:// on master_addr, master_port (+1, +2)."""
+    if args.nnodes == 1:
+        port = args.master_port or free_port(args.master_addr)
+        step, result = f"ipc://{ipc_dir}/steps", f"ipc://{ipc_dir}/results"
+        return Addresses(f"tcp://{args.master_addr}:{port}", step, result, step, result)
+    host, port = args.master_addr, args.master_port
+    try:
+        bind_host = socket.gethostbyname(host)
+    except OSError:
+        bind_host = "*"
+    return Addresses(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}",
+                     f"tcp://{bind_host}:{port + 1}", f"tcp://{bind_host}:{port + 2}")
+
+
+def local_ranks(args) -> list[int]:
+    per_node = args.world_size // args.nnodes
+    return list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
+
+
+def check_devices(args, device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        need, have = args.world_size // args.nnodes, torch.cuda.device_count()
+        if have < need:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size / nnodes = {need} ranks on this host "
+                             f"need {need} GPUs; {have} visible")
+
+
+def start_workers(args, spec, addrs: Addresses) -> dict[int, multiprocessing.Process]:
+    spawn = multiprocessing.get_context("spawn")
+    procs = {}
+    level = logging.getLogger().level
+    for local_rank, rank in enumerate(local_ranks(args)):
+        p = spawn.Process(target=worker_main, name=f"splitserve-rank-{rank}",
+                          args=(args, spec, rank, local_rank, addrs.init_method, addrs.step, addrs.result, os.getpid(), level))
+        p.start()
+        procs[rank] = p
+    return procs
+
+
+def stop_processes(procs, timeout: float = 5.0) -> None:
+    """Waits for processes told to stop, then kills what is left."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def describe_exit(rank: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        hint = " (the kernel's out-of-memory killer?)" if -code == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {name}{hint}"
+    return f"rank {rank} exited with code {code}"
+
+
+class _RemoteStep:
+    """A step sent to the ranks; `collect` waits for its StepDone. For the core it is an InFlightStep:
+    with async scheduling the next step is sent before this one is collected. Each rank finishes a
+    step (its tokens recorded in its persistent batch) before it reads the next message, so a rank
+    never runs on a pending token: only the core's grammars need a step's tokens before the next
+    one is scheduled (its next masks)."""
+    sample_requests = None  # the ranks know them; the core cannot check the count here
+
+    def __init__(self, sched, step_no: int):
+        self.sched, self.step_no = sched, step_no
+        self.needs_sync = sched.grammar is not None
+
+
+class MultiprocExecutor:
+    def __init__(self, args, spec, kv_cache_dtype):
+        check_devices(args, spec.config.device)
+        self.args = args
+        self.world = args.world_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.step_timeout_s = args.step_timeout_s
+        self._ipc_dir = tempfile.mkdtemp(prefix="splitserve-ranks-")
+        self.addrs = addresses(args, self._ipc_dir)
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every rank's subscription, not only the first
+        self.pub.setsockopt(zmq.LINGER, 2000)     # Stop reaches the ranks after we return
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        for sock, addr in ((self.pub, self.addrs.step_bind), (self.pull, self.addrs.result_bind)):
+            try:
+                sock.bind(addr)
+            except zmq.ZMQError as e:
+                self.ctx.destroy(linger=0)
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+                raise ValueError(f"cannot listen on {addr} for the ranks: {e} (is --master-addr an address of "
+                                 f"this host, and are --master-port + 1 and + 2 free?)") from None
+        self._encode = Codec(CoreToWorker).encode
+        self._decoder = Codec(WorkerToCore)
+        self.procs: dict[int, multiprocessing.Process] = {}
+        self._num_launched = 0
+        self._dead: str | None = None
+        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.ctx, self._ipc_dir)
+        try:
+            self.procs.update(start_workers(args, spec, self.addrs))
+            deadline = time.monotonic() + args.distributed_timeout_s
+            self._wait_subscribers(deadline)
+            blocks = self._gather(RankBlocks, deadline, "start-up")
+            self.num_blocks = min(m.num_blocks for m in blocks)
+            logger.info("%d ranks up (tp %d x pp %d over %d node(s)); KV blocks per rank: %s, using %d", self.world,
+                        args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes,
+                        sorted(m.num_blocks for m in blocks), self.num_blocks)
+            self.pub.send(self._encode(StartKV(self.num_blocks)))
+            self._gather(RankReady, deadline, "start-up")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- waiting on the ranks --------------------------------------------------------------------
+    def _check_procs(self, phase: str) -> None:
+        for rank, p in self.procs.items():
+            if not p.is_alive():
+                raise RuntimeError(f"{describe_exit(rank, p.exitcode)} during {phase}")
+
+    def _wait_subscribers(self, deadline: float) -> None:
+        joined = 0
+        while joined < self.world:
+            if self.pub.poll(_WATCH_MS):
+                if self.pub.recv()[:1] == b"\x01":
+                    joined += 1
+                continue
+            self._poll_failures("start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {joined} of {self.world} ranks connected within "
+                                   f"{self.args.distributed_timeout_s} s (are the other nodes started?)")
+
+    def _poll_failures(self, phase: str) -> None:
+        while self.pull.poll(0):
+            self._unexpected(self._decoder.decode(self.pull.recv()), phase)
+        self._check_procs(phase)
+
+    def _unexpected(self, msg, phase: str):
+        if isinstance(msg, RankFailed):
+            raise RuntimeError(msg.error if msg.startup else f"{msg.error} (during {phase})")
+        if isinstance(msg, RankLost):
+            raise RuntimeError(f"{msg.why} (during {phase})")
+        raise RuntimeError(f"unexpected {type(msg).__name__} from the ranks during {phase}")
+
+    def _gather(self, kind, deadline: float, phase: str) -> list:
+        got: dict[int, object] = {}
+        while len(got) < self.world:
+            if self.pull.poll(_WATCH_MS):
+                msg = self._decoder.decode(self.pull.recv())
+                if isinstance(msg, kind):
+                    got[msg.rank] = msg
+                else:
+                    self._unexpected(msg, phase)
+                continue
+            self._check_procs(phase)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world)) - set(got))
+                raise RuntimeError(f"ranks {missing} did not finish {phase} within {self.args.distributed_timeout_s} s")
+        return list(got.values())
+
+    # -- the runner's interface ------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        if self._dead is not None:
+            raise RanksLostError(self._dead)
+        self.pub.send(self._encode(msg), copy=False)
+
+    def launch(self, sched, inflight=None) -> _RemoteStep:
+        self._send(RunStep(sched))
+        step = _RemoteStep(sched, self._num_launched)
+        self._num_launched += 1
+        return step
+
+    def update_states(self, sched) -> None:
+        if self._dead is None:  # after a loss there is nobody to tell (the engine is failing its requests)
+            self._send(UpdateStates(sched))
+
+    def collect(self, step: _RemoteStep) -> StepResult:
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            if self.pull.poll(_WATCH_MS):
+                msg = self._decoder.decode(self.pull.recv(copy=False).buffer)
+                if isinstance(msg, StepDone):
+                    if msg.step_no == step.step_no:
+                        return StepResult(msg.tokens, msg.logprobs, msg.logprob_ranks)
+                    if msg.step_no < step.step_no:
+                        continue  # a step whose wait was given up on
+                    self._lose(f"the sampling rank answered step {msg.step_no} while step {step.step_no} was awaited")
+                try:
+                    self._unexpected(msg, f"step {step.step_no}")
+                except RuntimeError as e:
+                    self._lose(str(e))
+            for rank, p in self.procs.items():
+                if not p.is_alive():
+                    self._lose(describe_exit(rank, p.exitcode))
+            if time.monotonic() > deadline:
+                self._lose(f"no answer to step {step.step_no} within step_timeout_s={self.step_timeout_s:g} s "
+                           f"(a hung rank?)")
+
+    def check_alive(self) -> None:
+        """Between steps: a rank that died or failed meanwhile ends the engine now, not at the next step."""
+        if self._dead is not None:
+            raise RanksLostError(self._dead)
+        while self.pull.poll(0):
+            msg = self._decoder.decode(self.pull.recv())
+            try:
+                self._unexpected(msg, "an idle moment")
+            except RuntimeError as e:
+                self._lose(str(e))
+        for rank, p in self.procs.items():
+            if not p.is_alive():
+                self._lose(describe_exit(rank, p.exitcode))
+
+    def _dead_ranks(self, wait_s: float) -> list[str]:
+        """The local ranks that have exited, waiting up to wait_s for one (a rank's error is often the
+        echo of a peer's death: its collective broke)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [describe_exit(rank, p.exitcode) for rank, p in self.procs.items() if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _lose(self, why: str):
+        dead = self._dead_ranks(wait_s=1.0)
+        if dead and dead[0] not in why:
+            why = f"{'; '.join(dead)} ({why})"
+        logger.error("the ranks cannot go on: %s; stopping every rank", why)
+        self._dead = why
+        self.shutdown()
+        raise RanksLostError(why)
+
+    # -- start-up of the single-process runner: nothing to do here -----------------------------------
+    def setup_fast_path(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        """Tells the ranks to stop, waits a moment, kills what is left (idempotent)."""
+        if self._finalizer.alive:
+            try:
+                self.pub.send(self._encode(Stop()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._finalizer()
+
+
+def _cleanup(procs: dict, ctx: zmq.Context, ipc_dir: str) -> None:
+    stop_processes(list(procs.values()), timeout=5.0)
+    ctx.destroy(linger=500)
+    shutil.rmtree(ipc_dir, ignore_errors=True)

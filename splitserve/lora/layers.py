@@ -1,0 +1,124 @@
+"""LoRA on the model's linear layers, attached after the model is built (`attach_lora`).
+
+Each of q/k/v (the merged QKV layer), o, gate/up (merged) and down of every decoder layer is replaced
+by a `LoRALinear` that runs the base layer unchanged and, when the step has tokens with an adapter,
+adds their delta (lora/ops.py) into its output. The adapters live in fixed GPU slots: per layer
+`lora_a` [max_loras, shards * max_rank, in] and `lora_b` [max_loras, out, max_rank], zero-padded to
+--max-lora-rank, the scaling folded into B. Whether a step runs any delta is one host-side flag shared
+by all the wrappers (`LoRAState.active`), set by the runner from the step's layout: a step with no
+adapter runs exactly the base model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.layers.linear import Linear
+from splitserve.lora import ops  # noqa: F401  (registers splitserve::lora_add_)
+from splitserve.lora.adapter import LoRAAdapter
+
+
+class LoRAState:
+    """Shared by every wrapper of a model: whether the current step has tokens with an adapter."""
+
+    def __init__(self):
+        self.active = False
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: Linear, projections: tuple[str, ...], layer_idx: int, state: LoRAState,
+                 max_loras: int, max_rank: int):
+        super().__init__()
+        self.base = base
+        self.projections = projections
+        self.layer_idx = layer_idx
+        self.state = state
+        self.rank = max_rank
+        if base.shard_offsets:
+            self.shard_sizes = [size for _, size in base.shard_offsets.values()]
+        else:
+            self.shard_sizes = [base.out_features]
+        if len(self.shard_sizes) != len(projections):
+            raise ValueError(f"layer {layer_idx}: {len(self.shard_sizes)} shards for projections {projections}")
+        device = next(base.parameters()).device
+        dtype = base.params_dtype
+        self.register_buffer("lora_a", torch.zeros(max_loras, len(projections) * max_rank, base.in_features,
+                                                   dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, dtype=dtype,
+                                                   device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.state.active:
+            torch.ops.splitserve.lora_add_(out, x, self.lora_a, self.lora_b, self.shard_sizes, self.rank)
+        return out
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        return self.base.split(out)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.base.is_quantized
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Writes an adapter's weights for this layer into a slot (zeros where it has none)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if adapter is None:
+            return
+        R, col = self.rank, 0
+        for i, (proj, size) in enumerate(zip(self.projections, self.shard_sizes)):
+            pair = adapter.weights.get((self.layer_idx, proj))
+            if pair is not None:
+                a, b = pair
+                r = a.shape[0]
+                self.lora_a[slot, i * R:i * R + r].copy_(a)
+                self.lora_b[slot, col:col + size, :r].copy_(b)
+            col += size
+
+
+# attribute of the decoder layer's submodule -> the PEFT projections it stands for
+_WRAPPED = (("self_attn", "qkv_proj", ("q", "k", "v")), ("self_attn", "o_proj", ("o",)),
+            ("mlp", "gate_up_proj", ("gate", "up")), ("mlp", "down_proj", ("down",)))
+
+
+class LoRAModel:
+    """The wrappers of one model and the slots they share."""
+
+    def __init__(self, state: LoRAState, wrappers: list[LoRALinear], max_loras: int, max_rank: int):
+        self.state = state
+        self.wrappers = wrappers
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} out of range (max_loras {self.max_loras})")
+        for w in self.wrappers:
+            w.set_slot(slot, adapter)
+
+
+def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAModel:
+    """Replaces the decoder's projections with LoRA wrappers (after loading and
+    process_weights_after_loading; before compilation). A VLM's language model gets them, its vision
+    tower does not."""
+    if max_loras < 1 or max_rank < 1:
+        raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
+    decoder = getattr(model, "language_model", model)
+    layers = getattr(decoder, "layers", None)
+    if not layers:
+        raise ValueError(f"LoRA is not supported for {type(model).__name__}: it has no decoder layers")
+    state = LoRAState()
+    wrappers = []
+    for i, layer in enumerate(layers):
+        for parent_name, attr, projections in _WRAPPED:
+            parent = getattr(layer, parent_name, None)
+            base = getattr(parent, attr, None)
+            if not isinstance(base, Linear):
+                raise ValueError(f"LoRA is not supported for {type(model).__name__}: layer {i} has no "
+                                 f"{parent_name}.{attr} linear layer")
+            wrapper = LoRALinear(base, projections, i, state, max_loras, max_rank)
+            setattr(parent, attr, wrapper)
+            wrappers.append(wrapper)
+    return LoRAModel(state, wrappers, max_loras, max_rank)
