@@ -21,6 +21,7 @@ from splitserve.layers.parallel_linear import (MergedColumnParallelLinear, Paral
 from splitserve.layers.quantization.base import QuantConfig, as_tensor, method_for
 from splitserve.layers.norm import RMSNorm
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
+from splitserve.models.text_config import layer_sliding_windows
 
 
 class LlamaAttention(nn.Module):
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
         # The rotary table (one for all layers) goes to the attention op, which rotates q and k
         # where it stores the cache (one pass over them instead of two).
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                              rotary)
+                              rotary, sliding_window=layer_sliding_windows(config)[layer_idx])
 
     def qkv(self, x: torch.Tensor):
         """The attention op's inputs: q [T, Hq * D], k and v [T, Hkv * D], views of one projection."""
