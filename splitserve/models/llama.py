@@ -26,7 +26,9 @@ from splitserve.models.text_config import layer_sliding_windows
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, bias: bool, rotary: RotaryEmbedding,
-                 quant_config: QuantConfig | None = None, prefix: str = "self_attn"):
+                 quant_config: QuantConfig | None = None, prefix: str = "self_attn", model_layer: int | None = None):
+        """layer_idx: the stage's index of the layer (its KV cache); model_layer: the model's (the
+        checkpoint's and the config's per-layer settings), the same without pipeline stages."""
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -41,7 +43,8 @@ class LlamaAttention(nn.Module):
         # The rotary table (one for all layers) goes to the attention op, which rotates q and k
         # where it stores the cache (one pass over them instead of two).
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                              rotary, sliding_window=layer_sliding_windows(config)[layer_idx])
+                              rotary, sliding_window=layer_sliding_windows(config)[
+                                  layer_idx if model_layer is None else model_layer])
 
     def qkv(self, x: torch.Tensor):
         """The attention op's inputs: q [T, Hq * D], k and v [T, Hkv * D], views of one projection."""
@@ -70,10 +73,12 @@ def start_residual(x: torch.Tensor) -> torch.Tensor:
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, rotary: RotaryEmbedding,
-                 quant_config: QuantConfig | None = None, prefix: str = ""):
-        """layer_idx: the layer's index among this pipeline stage's layers (its KV cache's index)."""
+                 quant_config: QuantConfig | None = None, prefix: str = "", model_layer: int | None = None):
+        """layer_idx: the layer's index among this pipeline stage's layers (its KV cache's index);
+        model_layer: its index in the whole model (None: the same)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, rotary, quant_config, f"{prefix}self_attn")
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, rotary, quant_config, f"{prefix}self_attn",
+                                        model_layer)
         self.mlp = LlamaMLP(config, quant_config, f"{prefix}mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -123,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
         # Layer i of the checkpoint is this stage's layer i - start_layer (its KV cache's index).
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, rotary, quant_config, f"{prefix}.layers.{i}.")
+            LlamaDecoderLayer(config, i - self.start_layer, qkv_bias, rotary, quant_config, f"{prefix}.layers.{i}.", i)
             for i in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
