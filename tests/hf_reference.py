@@ -16,6 +16,9 @@ def make_tiny_llama_dir(path, tokenizer, *, num_kv_heads: int, tie: bool, seed: 
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+        model = MistralForCausalLM(MistralConfig(**kw))
     else:
         model = LlamaForCausalLM(LlamaConfig(**kw))
     model.save_pretrained(path)

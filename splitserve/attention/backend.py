@@ -19,6 +19,11 @@ Layouts (shared by every backend and kernel):
   Sequence i owns query tokens query_start_loc[i]:query_start_loc[i+1]; they are the LAST
   q_len_i tokens of its context of seq_lens[i] tokens (positions seq_lens[i]-q_len_i .. seq_lens[i]-1),
   and attend causally over context positions 0..own position, read through block_tables[i].
+  With a sliding window W (per layer, an argument of forward) a query at position p sees only key
+  positions p - W < n <= p (W keys, its own included; transformers' convention), and a block wholly
+  before every query's window may be missing: its table entry is unspecified (the KV manager may have
+  freed it, see core/kv_cache_manager.py), so backends must not read it. With a soft cap c (Gemma 2)
+  the scaled logits s become c * tanh(s / c) before the softmax.
 """
 from __future__ import annotations
 
@@ -80,6 +85,8 @@ class AttentionKernelSpec:
     capability: int                      # e.g. 90 for sm_90
     rot_dim: int                         # rotary width (a backend may apply it in its KV store); 0: none
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: dtype
+    # The distinct (sliding_window, soft_cap) pairs of the model's attention layers (None: none).
+    attn_variants: tuple[tuple[int | None, float | None], ...] = ((None, None),)
 
 
 class AttentionBackend:
@@ -91,10 +98,12 @@ class AttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         """Stores k/v and attends. With a rotary table (cos_sin, see layers/rotary.apply_rotary) q and
         k are first rotated at `positions`: the model hands them over straight from its projection.
-        k_scale / v_scale: the FP8 cache's scales (see the layouts above); ignored for other caches."""
+        k_scale / v_scale: the FP8 cache's scales (see the layouts above); ignored for other caches.
+        sliding_window / soft_cap: the layer's window and logit cap (see above); None: none."""
         raise NotImplementedError
 
     # -- metadata ------------------------------------------------------------------------------------

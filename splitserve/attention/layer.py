@@ -41,14 +41,19 @@ def forward_context(ctx: ForwardContext):
 # graph and compiles once.
 # k_scale / v_scale are the layer's FP8 KV scales (device tensors, so a checkpoint's values need no
 # recompile and CUDA graphs read them at replay); backends use them only when the cache is FP8.
+# sliding_window / soft_cap: the layer's window and logit soft cap, 0 for none (plain numbers keep the
+# op's schema simple; the backends take None).
 @torch.library.custom_op("splitserve::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor | None, num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
-    return _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale)
+                 cos_sin: torch.Tensor | None, num_heads: int, num_kv_heads: int, scale: float,
+                 sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
+    return _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
+                      sliding_window, soft_cap)
 
 
-def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale):
+def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
+               sliding_window=0, soft_cap=0.0):
     """The op's body: the backend's forward on the step's metadata."""
     ctx = _context
     if ctx is None:
@@ -57,24 +62,39 @@ def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_head
     head_dim = q.shape[1] // num_heads
     out = ctx.backend.forward(q.view(T, num_heads, head_dim), k.view(T, num_kv_heads, head_dim),
                               v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale, positions, cos_sin,
-                              k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window or None,
+                              soft_cap=soft_cap or None)
     return out.reshape(T, num_heads * head_dim)
 
 
 @attention_op.register_fake
-def _(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale):
+def _(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
+      sliding_window=0, soft_cap=0.0):
     return q.new_empty(q.shape)
 
 
 class Attention(nn.Module):
     """Rotate q/k (with a rotary table) + store K/V + attend, for all sequences of the step; q/k/v are
-    [T, heads * head_dim], possibly strided views of one QKV projection."""
+    [T, heads * head_dim], possibly strided views of one QKV projection.
+
+    sliding_window: this layer's window W (a query at position p sees keys p - W < n <= p); None: full
+    causal attention. soft_cap: logits become soft_cap * tanh(logits / soft_cap) (Gemma 2); None: off.
+    Both are per layer, so a model may alternate local and global layers."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 rotary: nn.Module | None = None):
+                 rotary: nn.Module | None = None, sliding_window: int | None = None,
+                 soft_cap: float | None = None):
         super().__init__()
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"layer {layer_idx}: sliding_window must be a positive integer or None, "
+                             f"got {sliding_window!r}")
+        if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and 0 < soft_cap < float("inf")):
+            raise ValueError(f"layer {layer_idx}: soft_cap must be a positive finite number or None, got {soft_cap!r}")
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
+        self.sliding_window = sliding_window
+        self.soft_cap = None if soft_cap is None else float(soft_cap)
         self.rotary = rotary  # a RotaryEmbedding (its cos_sin table), shared by the model's layers
         # This layer's paged cache [num_blocks, 2, block_size, num_kv_heads, head_dim]; bound by the
         # model runner once memory is sized. A buffer, so compiled graphs take it as an input.
@@ -101,9 +121,21 @@ class Attention(nn.Module):
             # Eager on CPU there is no graph to cut: the body directly, without the custom op's
             # dispatch (Python, about 0.1 ms a call: 3 ms a step of a 30-layer model). Same result.
             return _attention(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
-                              self.num_heads, self.num_kv_heads, self.scale)
+                              self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
+                              self.soft_cap or 0.0)
         return attention_op(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
-                            self.num_heads, self.num_kv_heads, self.scale)
+                            self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
+                            self.soft_cap or 0.0)
+
+
+def kv_free_window(model: nn.Module) -> int | None:
+    """The window after which the KV manager may free a sequence's blocks: the largest of the model's
+    per-layer windows when every Attention layer has one; None (free nothing early) when any layer
+    attends over the whole context, or the model has no Attention layer."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 # How checkpoints name a layer's KV-cache scales (the prefix before ".self_attn." is kept), and which

@@ -33,56 +33,90 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
     kv_cache[blocks, 1, offsets] = to_cache(v[keep], kv_cache.dtype, v_scale)
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first seq_len positions: [seq_len, num_kv_heads, head_dim] each."""
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                   first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's positions first_block * block_size .. seq_len - 1:
+    [seq_len - first_block * block_size, num_kv_heads, head_dim] each. Blocks before first_block (those
+    a sliding window has passed, whose table entries may be stale) are not read."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = kv_cache[block_table[:num_blocks].long()]  # [nb, 2, bs, H, D]
-    k = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:seq_len]
-    v = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:seq_len]
+    blocks = kv_cache[block_table[first_block:num_blocks].long()]  # [nb, 2, bs, H, D]
+    n = seq_len - first_block * block_size
+    k = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:n]
+    v = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:n]
     return k, v
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[Q, K] mask: query at position p sees key position n iff n <= p and, with a window W,
+    n > p - W (W keys counting its own; transformers' sliding_window_overlay)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           soft_cap: float | None = None) -> torch.Tensor:
+    """Softmax attention in fp32 over [..., L, D] tensors; with soft_cap the scaled logits become
+    soft_cap * tanh(logits / soft_cap) before the mask and softmax (Gemma 2)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    logits = soft_cap * torch.tanh(logits / soft_cap)
+    return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     out = torch.zeros_like(q)
-    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+    num_heads, num_kv_heads, block_size = q.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     qsl = meta.query_start_loc_cpu.tolist()
     for i, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
         if q_len == 0:
             continue
-        k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
-        # [H, L, D] layout for SDPA; GQA by repeating KV heads.
+        # The first block any of this sequence's queries can see.
+        first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        first_block = first_key // block_size
+        k, v = gather_context(kv_cache, meta.block_tables[i], seq_len, first_block)
+        # [H, L, D] layout; GQA by repeating KV heads.
         qi = q[start:end].transpose(0, 1).float()
         ki = from_cache(k.transpose(0, 1), k_scale).repeat_interleave(num_heads // num_kv_heads, dim=0)
         vi = from_cache(v.transpose(0, 1), v_scale).repeat_interleave(num_heads // num_kv_heads, dim=0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        k_pos = torch.arange(first_block * block_size, seq_len, device=q.device)
+        o = attend(qi, ki, vi, visible(q_pos, k_pos, sliding_window), scale, soft_cap)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
 def decode_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Pure-decode batches (one query per sequence) in one SDPA call over the padded contexts: the
-    same maths as the per-sequence loop, without a Python loop over sequences."""
+                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                             sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Pure-decode batches (one query per sequence) in one attention call over the padded contexts:
+    the same maths as the per-sequence loop, without a Python loop over sequences."""
     B, num_heads, D = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     L = meta.max_seq_len
     nb = -(-L // block_size)
-    # Table entries past a sequence's own blocks are unspecified: read block 0 there (masked below).
+    # Positions each sequence's query sees: [seq_len - window, seq_len) (all of [0, seq_len) without a window).
+    lo = torch.zeros_like(meta.seq_lens) if sliding_window is None else meta.seq_lens - sliding_window
+    # Table entries outside those blocks are unspecified (past a sequence's end, or blocks a window has
+    # passed and freed): read block 0 there (masked below).
     table = meta.block_tables[:, :nb].long()
-    in_use = torch.arange(nb, device=q.device)[None, :] * block_size < meta.seq_lens[:, None]
+    block_start = torch.arange(nb, device=q.device)[None, :] * block_size
+    in_use = (block_start < meta.seq_lens[:, None]) & (block_start + block_size > lo[:, None])
     blocks = kv_cache[torch.where(in_use, table, 0)]  # [B, nb, 2, bs, Hkv, D]
     k = from_cache(blocks[:, :, 0].reshape(B, nb * block_size, num_kv_heads, D)[:, :L].transpose(1, 2), k_scale)
     v = from_cache(blocks[:, :, 1].reshape(B, nb * block_size, num_kv_heads, D)[:, :L].transpose(1, 2), v_scale)
     group = num_heads // num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mask = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :].float(), k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    pos = torch.arange(L, device=q.device)[None, :]
+    mask = (pos < meta.seq_lens[:, None]) & (pos >= lo[:, None])
+    out = attend(q[:, :, None, :].float(), k, v, mask[:, None, None, :], scale, soft_cap)
     return out[:, :, 0].to(q.dtype)
 
 
@@ -93,11 +127,14 @@ class TorchRefBackend(AttentionBackend):
 
     def __init__(self, cpu_path: bool = True):
         # On CPU the same results with fewer ops (torch_cpu.py); cpu_path=False keeps the plain
-        # functions below, for tests that need the oracle itself. An FP8 cache takes the plain path.
+        # functions below, for tests that need the oracle itself. An FP8 cache takes the plain path,
+        # and so do layers with a sliding window or a soft cap (the CPU path has neither yet).
         self._cpu = CpuAttention() if cpu_path else None
 
-    def forward(self, q, k, v, kv_cache, meta, scale, positions=None, cos_sin=None, k_scale=None, v_scale=None):
-        if self._cpu is not None and kv_cache.device.type == "cpu" and kv_cache.dtype in CPU_PATH_CACHE_DTYPES:
+    def forward(self, q, k, v, kv_cache, meta, scale, positions=None, cos_sin=None, k_scale=None, v_scale=None,
+                sliding_window=None, soft_cap=None):
+        if (self._cpu is not None and kv_cache.device.type == "cpu" and kv_cache.dtype in CPU_PATH_CACHE_DTYPES
+                and sliding_window is None and soft_cap is None):
             return self._cpu.forward(q, k, v, kv_cache, meta, scale, positions, cos_sin)
         if cos_sin is not None:
             q, k = apply_rotary(q, positions, cos_sin), apply_rotary(k, positions, cos_sin)
@@ -105,5 +142,5 @@ class TorchRefBackend(AttentionBackend):
             k_scale = v_scale = None  # only an FP8 cache is scaled
         store_kv_ref(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs and meta.num_seqs > 1:
-            return decode_attention_batched(q, kv_cache, meta, scale, k_scale, v_scale)
-        return paged_attention_ref(q, kv_cache, meta, scale, k_scale, v_scale)
+            return decode_attention_batched(q, kv_cache, meta, scale, k_scale, v_scale, sliding_window, soft_cap)
+        return paged_attention_ref(q, kv_cache, meta, scale, k_scale, v_scale, sliding_window, soft_cap)

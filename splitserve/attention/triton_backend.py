@@ -42,12 +42,15 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> torch.Tensor:
         rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin, k_scale, v_scale)  # one pass
-        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale)
+        return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale,
+                           sliding_window, soft_cap)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has
         # exactly one query token: T == B (both host-known shapes) together with max_query_len == 1.
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:
@@ -55,9 +58,11 @@ class TritonBackend(AttentionBackend):
             # AttentionMetadata, which never fixes the split count.
             num_splits = meta.decode_num_splits if isinstance(meta, TritonMetadata) else None
             return paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
-                                          scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+                                          scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
+                                          sliding_window=sliding_window, soft_cap=soft_cap)
         return ragged_paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                      meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale)
+                                      meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap)
 
     # -- metadata ------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
@@ -96,26 +101,31 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = _scales(device)
         seen = set()
 
-        def add(variant, meta: AttentionMetadata) -> None:
-            if variant not in seen:
-                seen.add(variant)
+        def add(variant, meta: AttentionMetadata, window: int | None, soft_cap: float | None) -> None:
+            if (variant, window, soft_cap) not in seen:
+                seen.add((variant, window, soft_cap))
                 q = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=spec.dtype, device=device)
-                launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale))
+                # The layer's window and cap as keywords (a layer without them passes none).
+                extra = {k: x for k, x in (("sliding_window", window), ("soft_cap", soft_cap)) if x is not None}
+                launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale, **extra))
 
-        for meta in warm_up:
-            num_tokens = meta.slot_mapping.shape[0]
-            if meta.is_pure_decode and num_tokens == meta.num_seqs:  # attend's own dispatch
-                splits = default_num_splits(meta.num_seqs, hkv, meta.max_seq_len, num_sms=spec.num_sms)
-                add(("decode", splits > 1), _with_splits(meta, splits))
-            else:
-                add(("ragged", ragged_variant(num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
-                                              hq, hkv, d)), meta)
-        if spec.decode_batch_sizes:
-            state = self._decode_graph_state(max(spec.decode_batch_sizes), -(-spec.max_model_len // spec.block_size),
-                                             spec.max_model_len, hkv, device, num_sms=spec.num_sms)
-            for bs in spec.decode_batch_sizes:
-                meta = self.capture_metadata(state, bs)
-                add(("decode", meta.decode_num_splits > 1), meta)
+        for window, soft_cap in spec.attn_variants:  # each kind of layer launches its own variants
+            for meta in warm_up:
+                num_tokens = meta.slot_mapping.shape[0]
+                if meta.is_pure_decode and num_tokens == meta.num_seqs:  # attend's own dispatch
+                    read = min(meta.max_seq_len, window or meta.max_seq_len)  # as paged_decode_attention splits
+                    splits = default_num_splits(meta.num_seqs, hkv, read, num_sms=spec.num_sms)
+                    add(("decode", splits > 1), _with_splits(meta, splits), window, soft_cap)
+                else:
+                    add(("ragged", ragged_variant(num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
+                                                  hq, hkv, d)), meta, window, soft_cap)
+            if spec.decode_batch_sizes:
+                state = self._decode_graph_state(max(spec.decode_batch_sizes),
+                                                 -(-spec.max_model_len // spec.block_size),
+                                                 spec.max_model_len, hkv, device, num_sms=spec.num_sms)
+                for bs in spec.decode_batch_sizes:
+                    meta = self.capture_metadata(state, bs)
+                    add(("decode", meta.decode_num_splits > 1), meta, window, soft_cap)
         return launches
 
 

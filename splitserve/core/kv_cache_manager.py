@@ -1,4 +1,18 @@
-"""The only owner of block ids: prefix match, slot allocation, caching of filled blocks, and free."""
+"""The only owner of block ids: prefix match, slot allocation, caching of filled blocks, and free.
+
+Sliding windows: when every attention layer of the model has a window (`sliding_window`: the largest
+of them; None when any layer attends over the whole context), a query at position p reads no key
+before p - W + 1, so a block wholly before the next query's window is never read again by this
+request, and it goes back to the pool as the sequence advances (at its next allocate_slots). Its
+position in the request's block list becomes None (vLLM puts a null block there): the request's
+block table keeps its positions, the worker's copy keeps a stale id there that no kernel reads (see
+attention/backend.py), and the request can never register that position in the prefix cache again
+(the block may be another request's by then). A passed block that was registered keeps its hash
+while it sits free, so later requests with the same prefix can still revive it. Freeing a passed
+block at scheduling time is safe although an earlier launched step may still read it: steps run
+in order on the device, so that read is done before any later step writes the block for its new
+owner.
+"""
 from __future__ import annotations
 
 from splitserve.core.block_pool import BlockPool, KVBlock, hash_block
@@ -6,11 +20,17 @@ from splitserve.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}  # request id -> its blocks, in position order
+        # request id -> its blocks, in position order; None where the window has passed (freed)
+        self._blocks: dict[str, list[KVBlock | None]] = {}
+        self._num_passed: dict[str, int] = {}  # request id -> leading blocks freed by the window
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0     # of those, tokens found
@@ -58,7 +78,10 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Makes room for num_new_tokens beyond request.num_computed_tokens (plus the prefix hits given
-        for a newly admitted request). Returns False, changing nothing, if blocks run out."""
+        for a newly admitted request). Returns False if blocks run out, changing nothing but the
+        freeing of blocks the window has passed (which holds whatever this request does next)."""
+        if not computed_blocks:
+            self._free_passed_blocks(request, request.num_computed_tokens)  # before: they may serve now
         blocks = self._blocks.get(request.request_id, ())
         if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
             return True  # the common decode case: the last block still has room
@@ -76,7 +99,26 @@ class KVCacheManager:
         # only what was appended since its last message.
         self._blocks.setdefault(request.request_id, []).extend(new)
         request.block_ids.extend(b.block_id for b in new)
+        if computed_blocks:
+            self._free_passed_blocks(request, num_computed)  # prefix hits the window has already passed
         return True
+
+    def _free_passed_blocks(self, request: Request, num_computed: int) -> None:
+        """Frees the request's leading blocks wholly before the window of a query at position
+        num_computed (its next token to compute): positions < num_computed - W + 1."""
+        if self.sliding_window is None:
+            return
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        done = self._num_passed.get(rid, 0)
+        n = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(blocks or ()))
+        if n <= done:
+            return
+        self.cache_full_blocks(request)  # offer the filled ones to the prefix cache before letting go
+        passed = blocks[done:n]
+        blocks[done:n] = [None] * (n - done)
+        self.pool.free(passed)  # oldest first: the LRU evicts them before the request's later blocks
+        self._num_passed[rid] = n
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's blocks that are now completely computed in the prefix cache."""
@@ -89,7 +131,7 @@ class KVCacheManager:
         self._update_block_hashes(request, num_full * bs)
         blocks = self._blocks.get(request.request_id, [])
         for i in range(self._num_registered.get(request.request_id, 0), num_full):
-            if blocks[i].block_hash is None:
+            if blocks[i] is not None and blocks[i].block_hash is None:  # None: freed by the window
                 parent = request.block_hashes[i - 1] if i else None
                 self.pool.cache_block(blocks[i], request.block_hashes[i], parent,
                                       tuple(request.token_slice(i * bs, (i + 1) * bs)))
@@ -98,7 +140,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
-        self.pool.free(list(reversed(blocks)))
+        self._num_passed.pop(request.request_id, None)
+        self.pool.free([b for b in reversed(blocks) if b is not None])
         request.block_ids = []
 
     def usage(self) -> float:

@@ -75,3 +75,16 @@ def destroy_model_parallel() -> None:
     _TP, _PP = ParallelGroup(), ParallelGroup()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers pipeline stage `stage` builds: an even split, and the
+    layers left over go one each to the stages before the last, from the second-to-last backwards
+    (the last stage also runs the final norm and the LM head; the first only adds the embedding)."""
+    if num_layers < num_stages:
+        raise ValueError(f"pipeline parallelism: {num_layers} decoder layers cannot fill {num_stages} stages")
+    sizes = [num_layers // num_stages] * num_stages
+    for i in range(num_layers % num_stages):
+        sizes[(num_stages - 2 - i) % num_stages] += 1
+    start = sum(sizes[:stage])
+    return start, start + sizes[stage]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.attention.layer import kv_free_window
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
@@ -25,6 +26,7 @@ from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, Sche
 from splitserve.engine_args import EngineArgs
 from splitserve.models.generation_config import sampling_defaults
 from splitserve.layers.quantization.config import resolve_quant_config
+from splitserve.models.text_config import layer_sliding_windows
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, load_tokenizer, resolve_model
@@ -156,7 +158,9 @@ class EngineCore:
         else:
             self._init_runner(args, spec)
         install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
-        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
+        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
+                                         sliding_window=self._kv_free_window(m.hf_config))
         # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
         self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
                                                   lambda: _core_tokenizer(spec, args.random_weights))
@@ -225,6 +229,18 @@ class EngineCore:
             if precompile is not None:
                 precompile.finish()
         self.model = model
+
+    def _kv_free_window(self, hf_config) -> int | None:
+        """The window after which the KV manager frees a request's blocks: read off the model's
+        Attention layers in this process; with ranks (the model is in their processes) from the
+        config, by the rule the Llama-family models read their windows with."""
+        if self.model is not None:
+            return kv_free_window(self.model)
+        try:
+            windows = layer_sliding_windows(getattr(hf_config, "text_config", None) or hf_config)
+        except AttributeError:
+            return None
+        return None if not windows or None in windows else max(windows)
 
     def check_ranks(self) -> None:
         """Raises EngineDeadError if a worker rank died or failed (the core loop asks while idle)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.layers.quantization.base import UNQUANTIZED, LinearMethod, ParamLayout, register_param
+from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, as_tensor, rank_part,
+                                                 register_param)
 
 
 class Linear(nn.Module):
@@ -44,10 +45,11 @@ class Linear(nn.Module):
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """One checkpoint tensor (`weight`, `bias`, or a method's own such as `weight_scale`), of
-        the whole layer or, for a merged one, of the shard named."""
+        the whole layer or, for a merged one, of the shard named. A tensor-parallel layer keeps its
+        rank's part (cut before the tensor is read when it is a lazy checkpoint slice)."""
         if shard is not None and shard not in self.shard_offsets:
             raise ValueError(f"unknown shard {shard!r}; this layer has {list(self.shard_offsets) or 'none'}")
-        self.method.load(self, param_name, tensor, shard)
+        self.method.load(self, param_name, as_tensor(rank_part(self, param_name, tensor, shard)), shard)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)

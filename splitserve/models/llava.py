@@ -12,6 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
 from splitserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from splitserve.multimodal.processor import to_device_pixels
@@ -41,9 +42,9 @@ class VisionLanguageModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+                intermediate=None):
+        return self.language_model(input_ids, positions, inputs_embeds, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model.compute_logits(hidden, out)
@@ -101,11 +102,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
                     yield name, tensor
                 elif name.startswith("language_model."):
                     yield name[len("language_model."):], tensor
-                elif name.startswith("vision_tower."):
-                    filled = self.vision_tower.load_weight(name[len("vision_tower."):], tensor)
+                elif name.startswith("vision_tower."):  # replicated on every rank: read whole
+                    filled = self.vision_tower.load_weight(name[len("vision_tower."):], as_tensor(tensor))
                     if filled:
                         loaded.add(f"vision_tower.{filled}")
                 elif name in params:
+                    tensor = as_tensor(tensor)
                     if params[name].shape != tensor.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
                     params[name].data.copy_(tensor)

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from splitserve.distributed.parallel_state import pp_group, tp_group
 from splitserve.layers.linear import Linear, process_weights_after_loading
 from splitserve.layers.quantization.base import QuantConfig
 from splitserve.models.registry import get_model_class
@@ -182,9 +183,12 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
     if random_weights:
         init_random_weights(model)
     else:
-        # A family with its own layout (VILA's part folders) says how to read it.
+        # A family with its own layout (VILA's part folders) says how to read it. With tensor or
+        # pipeline parallelism safetensors are read lazily: each layer reads its rank's part only.
+        # (GGUF tensors are read and dequantized whole, then cut: its block formats are not sliceable.)
         reader = getattr(cls, "iter_weights", iter_safetensors)
-        weights = iter_gguf(source.path, hf_config) if source.gguf_file else reader(source.directory)
+        lazy = tp_group().world_size > 1 or pp_group().world_size > 1
+        weights = iter_gguf(source.path, hf_config) if source.gguf_file else reader(source.directory, lazy=lazy)
         loaded = model.load_weights(weights)
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:

@@ -45,6 +45,8 @@ def text_config_from_dict(cfg: dict) -> TextConfig | None:
         c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
     for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
         c.setdefault(key, False)
+    if model_type == "mistral":
+        c.setdefault("sliding_window", 4096)  # MistralConfig's default (v0.1 checkpoints rely on it)
     c.setdefault("bos_token_id", None)
     return TextConfig(**c)
 
@@ -57,3 +59,19 @@ def read_text_config(directory: str) -> TextConfig | None:
     except (OSError, ValueError):
         return None  # transformers reports a missing or broken file in its own words
     return text_config_from_dict(cfg) if isinstance(cfg, dict) else None
+
+
+def layer_sliding_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full causal attention), decided as transformers
+    does: by `layer_types` where the config has them ("sliding_attention" layers get
+    `sliding_window`), else by Qwen2's rule (only with use_sliding_window, from layer
+    max_window_layers on), else `sliding_window` on every layer (Mistral; Llama configs have none)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    if getattr(config, "model_type", None) == "qwen2":
+        first = getattr(config, "max_window_layers", 28)
+        return [window if getattr(config, "use_sliding_window", False) and i >= first else None for i in range(n)]
+    return [window] * n

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.models.safetensors_io import iter_safetensors
@@ -58,10 +59,10 @@ def load_vila_config(directory: str):
     return config
 
 
-def iter_vila_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_vila_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every part's safetensors, names prefixed with the part's folder."""
     for part in _PARTS:
-        for name, tensor in iter_safetensors(os.path.join(directory, part)):
+        for name, tensor in iter_safetensors(os.path.join(directory, part), lazy=lazy):
             yield f"{part}.{name}", tensor
 
 
@@ -102,15 +103,15 @@ class VilaForConditionalGeneration(VisionLanguageModel):
                 part, _, rest = name.partition(".")
                 if part == "llm":
                     yield rest, tensor
-                elif part == "vision_tower":
-                    filled = self.vision_tower.load_weight(rest, tensor)
+                elif part == "vision_tower":  # replicated on every rank: read whole
+                    filled = self.vision_tower.load_weight(rest, as_tensor(tensor))
                     if filled:
                         loaded.add(f"vision_tower.{filled}")
                 elif part == "mm_projector" and rest in projector:
                     if projector[rest].shape != tensor.shape:
                         raise ValueError(f"mm_projector {rest}: checkpoint shape {tuple(tensor.shape)} != "
                                          f"{tuple(projector[rest].shape)}")
-                    projector[rest].data.copy_(tensor)
+                    projector[rest].data.copy_(as_tensor(tensor))
                     loaded.add(f"mm_projector.{rest}")
                 else:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")

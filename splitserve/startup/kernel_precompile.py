@@ -140,6 +140,7 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     kernels on first launch, or the config's attention shape is not readable here (the parent then
     compiles as before). kv_dtype: the KV cache's dtype (None: dtype)."""
     from splitserve.layers.rotary import rope_parameters
+    from splitserve.models.text_config import layer_sliding_windows
     if not get_backend(backend).jit_kernels:
         return None
     text = getattr(hf_config, "text_config", None) or hf_config
@@ -148,6 +149,9 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         rot_dim = int(head_dim * rope_parameters(text).get("partial_rotary_factor", 1.0))
+        # The layers' windows, as the model reads them (a model with logit soft-capping should add
+        # its cap here as it does in its Attention layers; none does yet).
+        variants = tuple(sorted({(w, None) for w in layer_sliding_windows(text)}, key=lambda v: v[0] or 0))
     except AttributeError:
         return None
     major, minor = torch.cuda.get_device_capability()
@@ -155,7 +159,7 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     # give it to the backend's launch heuristics instead of asking CUDA.
     num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     spec = AttentionKernelSpec(backend, num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
-                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim, kv_dtype)
+                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim, kv_dtype, variants)
     try:
         return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
     except (OSError, ValueError) as exc:  # no fork on this platform, or no processes left to start

@@ -169,10 +169,20 @@ class ModelRunner:
             self.mm = MultiModalStepEncoder(model)
 
     # -- KV cache --------------------------------------------------------------------------------
+    def kv_layout(self) -> tuple[int, int]:
+        """(layers, KV heads) of this rank's KV cache: the model's attention layers (a pipeline
+        stage's own) and their KV heads (a tensor-parallel rank's own). The config's counts for a
+        model without attention layers (tests that size a pool for a bare module)."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not layers:
+            return self.config.model.num_layers, self.config.model.num_kv_heads
+        return len(layers), layers[0].num_kv_heads
+
     def bytes_per_block(self) -> int:
         m = self.config.model
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_layers
+        num_layers, num_kv_heads = self.kv_layout()
+        return 2 * self.block_size * num_kv_heads * m.head_dim * elem * num_layers
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -196,9 +206,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
-        shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        num_layers, num_kv_heads = self.kv_layout()
+        shape = (num_blocks, 2, self.block_size, num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(m.num_layers)]
+                          for _ in range(num_layers)]
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.kv_cache = self.kv_caches[module.layer_idx]
@@ -215,7 +226,7 @@ class ModelRunner:
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
         m = self.config.model
         self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
-                                   m.num_kv_heads, self.device)
+                                   self.kv_layout()[1], self.device)
         self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()

@@ -11,7 +11,7 @@ import torch
 from splitserve.layers.rotary import rope_parameters
 from splitserve.models.loader import load_hf_config, resolve_dtype
 from splitserve.models.resolve import ModelSource
-from splitserve.models.text_config import TextConfig, read_text_config
+from splitserve.models.text_config import TextConfig, layer_sliding_windows, read_text_config
 
 CONFIG_8B = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "llama3-8b")
 
@@ -28,6 +28,11 @@ CASES = {
     "llama-v5-rope-parameters": dict(BASE, model_type="llama", head_dim=32, attention_bias=True, mlp_bias=True,
                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="float16"),
     "mistral": dict(BASE, model_type="mistral", num_key_value_heads=2, rope_theta=1e6, sliding_window=None),
+    "mistral-window": dict(BASE, model_type="mistral", num_key_value_heads=2, rope_theta=1e6, sliding_window=16),
+    "mistral-default-window": dict(BASE, model_type="mistral", num_key_value_heads=2, rope_theta=1e6),
+    "qwen2-window-from-layer-1": dict(BASE, model_type="qwen2", num_key_value_heads=2, rope_theta=1e6, use_sliding_window=True,
+                                      sliding_window=8, max_window_layers=1),
+    "qwen2-window-off": dict(BASE, model_type="qwen2", num_key_value_heads=2, rope_theta=1e6, sliding_window=8),
     "qwen2-eos-null": dict(BASE, model_type="qwen2", num_key_value_heads=2, rope_theta=1e6, eos_token_id=None,
                            tie_word_embeddings=True),
 }
@@ -45,6 +50,7 @@ def _engine_view(config) -> dict:
     for key in ("attention_bias", "mlp_bias"):
         view[key] = bool(getattr(config, key, False))
     view["dtype"] = resolve_dtype("auto", config, "cuda")
+    view["sliding_windows"] = layer_sliding_windows(config)
     rope = rope_parameters(config)
     rope.pop("type", None)  # the old spelling of rope_type, which transformers renames
     view["rope"] = rope

@@ -20,11 +20,15 @@ import sys, torch
 from triton import knobs
 from splitserve.startup import kernel_precompile as kp
 dtype = getattr(torch, sys.argv[2])
-kv_dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else None  # the KV cache's; None: dtype
+kv_dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None  # the KV cache's; None: dtype
+# The layers' (sliding_window, soft_cap) pairs; default: plain layers only.
+variants = eval(sys.argv[4]) if len(sys.argv) > 4 else ((None, None),)
+head_dim = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 # A GQA shape (8 heads over 2 KV heads, head_dim 64), a 512-token budget, three decode graph sizes
 # (16, 16 and 4 splits on 132 SMs; the warm-up's decode step has none): every kernel and variant the
 # engine launches at start-up.
-spec = kp.AttentionKernelSpec("triton", 8, 2, 64, dtype, 16, 512, 4096, (2, 4, 64), 132, 90, 64, kv_dtype)
+spec = kp.AttentionKernelSpec("triton", 8, 2, head_dim, dtype, 16, 512, 4096, (2, 4, 64), 132, 90, 64, kv_dtype,
+                              variants)
 if sys.argv[1] == "children":
     pre = kp.AttentionPrecompile(spec, num_workers=2)
     for p in pre.procs:
@@ -39,11 +43,13 @@ else:
 """
 
 
-def _run(tmp_path, phase: str, dtype: str, kv_dtype: str | None = None):
+def _run(tmp_path, phase: str, dtype: str, kv_dtype: str | None = None, variants: str | None = None,
+         head_dim: int = 64):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, phase, dtype, *([kv_dtype] if kv_dtype else [])], env=env, capture_output=True,
+    extra = [kv_dtype or "-", variants or "((None, None),)", str(head_dim)]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, phase, dtype, *extra], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -69,3 +75,25 @@ def test_other_specialisations_miss_the_cache(tmp_path):
     # So do launches on an FP8 cache against a bf16 one (the cache's dtype is part of the key).
     seen = eval(_run(tmp_path, "real", "bfloat16", "float8_e4m3fn").split("RESULT", 1)[1])
     assert seen and not any(hit for name, hit in seen if name != "_decode_reduce_kernel"), seen
+
+
+def test_windowed_and_soft_capped_layers_are_precompiled(tmp_path):
+    """A model with plain, windowed (7: no divisibility specialisation; 4096: divisible by 16) and
+    soft-capped layers: each kind's launches are compiled by the children and hit the cache."""
+    variants = "((None, None), (7, None), (4096, 50.0))"
+    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", None, variants)
+    seen = eval(_run(tmp_path, "real", "bfloat16", None, variants).split("RESULT", 1)[1])
+    plain = eval(_run(tmp_path / "plain", "real", "bfloat16").split("RESULT", 1)[1])
+    # more ragged / decode variants than a plain model, all of them hits
+    assert sum(n == "_ragged_paged_attn_kernel" for n, _ in seen) > sum(n == "_ragged_paged_attn_kernel" for n, _ in plain)
+    assert all(hit for _, hit in seen), seen
+
+
+def test_padded_head_dim_kernels_compile_for_sm90(tmp_path):
+    """Head dim 96 (tiles padded to 128) with a window and a soft cap: every start-up kernel compiles
+    for a real GPU target (the interpreter tests check the maths, not the GPU compiler), and the
+    real launches hit the cache."""
+    variants = "((None, None), (4096, 50.0))"
+    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", None, variants, 96)
+    seen = eval(_run(tmp_path, "real", "bfloat16", None, variants, 96).split("RESULT", 1)[1])
+    assert seen and all(hit for _, hit in seen), seen

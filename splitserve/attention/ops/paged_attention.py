@@ -16,6 +16,13 @@ Two kernels:
     partial output plus its log-sum-exp, and a reduce kernel merges the slices. With long contexts
     and small batches this keeps all SMs busy where one program per (seq, head) would not.
 
+Sliding windows (a query at position p sees keys p - W < n <= p) skip whole K/V tiles before the
+window in the loops, and mask only the tiles that straddle its edge. A logit soft cap c (Gemma 2:
+s -> c * tanh(s / c)) is applied in the log2 domain, with c * log2(e) as the cap, which is the same
+function of the natural-domain logits. Head dims that are not a power of two (80, 96, ...) run on
+tiles padded to the next power of two: the padding columns are masked on load (zeros), so they add
+nothing to q . k or to the output, and are never stored; the cache itself is never padded.
+
 Both use an online softmax in the log2 domain (exp2 is cheaper than exp; scale * log2(e) is folded
 into the logits) with fp32 accumulation.
 
@@ -48,9 +55,28 @@ def _check_common(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, in
     num_kv_heads = kv_cache.shape[3]
     assert kv_cache.shape[4] == head_dim, (kv_cache.shape, q.shape)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert head_dim >= 16 and head_dim % 16 == 0, f"head_dim must be a multiple of 16, got {head_dim}"
     assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be contiguous"
     return num_tokens, num_heads, num_kv_heads, head_dim
+
+
+# Window stand-in for layers without one: larger than any context, so window bounds never cut (and
+# q_pos - window stays far from int32 overflow).
+_NO_WINDOW = 1 << 30
+
+
+def _window_args(sliding_window: int | None, soft_cap: float | None) -> dict:
+    """The kernels' window and soft-cap arguments (the soft cap in the log2 domain, see above)."""
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    assert soft_cap is None or soft_cap > 0, soft_cap
+    return dict(window=sliding_window or _NO_WINDOW, soft_cap=(soft_cap or 0.0) * _LOG2E,
+                USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh via exp2, exact enough in fp32 and saturating cleanly: exp2 -> inf gives 1, -> 0 gives -1.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,22 +85,35 @@ def _check_common(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, in
 
 @triton.jit
 def _ragged_tile(
-    acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_end, q_pos,
-    stride_cb, stride_ckv, stride_cs, BLOCK_SIZE: tl.constexpr, qk_scale,
-    offs_n, offs_d, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_lo, kv_end, q_pos,
+    stride_cb, stride_ckv, stride_cs, BLOCK_SIZE: tl.constexpr, qk_scale, window, soft_cap,
+    offs_n, offs_d, d_ok, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, PAD_D: tl.constexpr,
 ):
-    """One BLOCK_N tile of context positions: gather K/V through the block table, update softmax."""
+    """One BLOCK_N tile of context positions: gather K/V through the block table, update softmax.
+    MASKED tiles may hold positions past kv_end, after a row's own position or before its window.
+    Positions outside [kv_lo, kv_end) are not loaded at all, not even their block-table entries: a
+    block wholly before kv_lo (the first row's window) may have been freed (stale table entry)."""
     offs = n_start + offs_n
     if MASKED:
         n_ok = offs < kv_end
+        if USE_WINDOW:
+            n_ok = n_ok & (offs >= kv_lo)
         blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE).to(tl.int64)
     row = blk * stride_cb + (offs % BLOCK_SIZE) * stride_cs + kv_h_off
     k_ptrs = cache_ptr + row[:, None] + offs_d[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
-        v = tl.load(k_ptrs + stride_ckv, mask=n_ok[:, None], other=0.0)
+        if PAD_D:
+            ld_ok = n_ok[:, None] & d_ok[None, :]
+        else:
+            ld_ok = n_ok[:, None]
+        k = tl.load(k_ptrs, mask=ld_ok, other=0.0)
+        v = tl.load(k_ptrs + stride_ckv, mask=ld_ok, other=0.0)
+    elif PAD_D:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(k_ptrs + stride_ckv, mask=d_ok[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(k_ptrs + stride_ckv)
@@ -82,10 +121,14 @@ def _ragged_tile(
     v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFT_CAP:
+        s = soft_cap * _tanh(s / soft_cap)
     if MASKED:
         # Causal and bounds in one: position n is visible to a row iff n <= its own position; the
         # bound n < kv_end matters only for rows past the sequence's last query token.
         ok = (offs[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            ok = ok & (offs[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -100,13 +143,15 @@ def _ragged_tile(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _ragged_paged_attn_kernel(
     q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-    num_seqs, qk_scale,
+    num_seqs, qk_scale, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr,  # KV block size: constexpr so position -> (block, offset) is shift/mask
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):
+    PAD_D: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # The KV heads of one query block are neighbouring programs: they run together and read the
     # same cache rows (a token's heads are adjacent), which DRAM serves better than scattered rows.
@@ -140,11 +185,12 @@ def _ragged_paged_attn_kernel(
     head = kv_h * GROUP + offs_m % GROUP_PAD
     row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
     q_pos = ctx_start + tok
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if KV_FP8:
@@ -153,26 +199,37 @@ def _ragged_paged_attn_kernel(
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_h_off = kv_h * stride_ch
 
-    # Positions <= the block's first query position are visible to every row: whole tiles there
-    # skip all masking. Only the remaining tiles (the causal diagonal) pay for masks.
+    # Positions <= the block's first query position are visible to every row (causally): whole
+    # tiles there skip all masking. With a window, tiles wholly before the first row's window are
+    # skipped, and those not wholly inside the last row's window are masked too. So the loops run
+    # [lo, full_lo) masked (window edge), [full_lo, full_end) unmasked, [.., kv_end) masked (diagonal).
     first_pos = ctx_start + q_block * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the block's last query position
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for n_start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_end,
-                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale,
-                                     offs_n, offs_d, False, DOT_PRECISION)
-    for n_start in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_end,
-                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale,
-                                     offs_n, offs_d, True, DOT_PRECISION)
+    # (all operands kept >= 0: integer division of negatives differs between Triton and Python)
+    lo_pos = tl.maximum(first_pos - window + 1, 0)  # the first row's first visible key
+    lo = (lo_pos // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N  # kv_end - 1: the last row
+    for n_start in range(lo, tl.minimum(full_lo, kv_end), BLOCK_N):
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
+                                     offs_n, offs_d, d_ok, True, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, PAD_D)
+    for n_start in range(full_lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
+                                     offs_n, offs_d, d_ok, False, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, PAD_D)
+    for n_start in range(tl.maximum(full_end, full_lo), kv_end, BLOCK_N):
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
+                                     offs_n, offs_d, d_ok, True, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, PAD_D)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padded rows can have l == 0; they are not stored
     out = acc / l_i[:, None]
     if KV_FP8:
         out = out * tl.load(v_scale_ptr)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -210,7 +267,8 @@ def ragged_variant(num_tokens: int, num_seqs: int, max_query_len: int, max_seq_l
 def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                            max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged cache for a ragged mixed batch; returns [T, Hq, D].
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32 (device).
@@ -218,6 +276,7 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     grid, T // BLOCK_Q + B programs per KV head); with max_seq_len they pick the K/V tile width.
     Rows of q not owned by any sequence (index >= query_start_loc[B], e.g. graph padding) are left
     unwritten in out. An FP8 cache is read with k_scale / v_scale (one-element fp32; None: 1.0).
+    sliding_window / soft_cap: the layer's window and logit cap (module docstring); None: none.
     """
     num_tokens, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
     num_seqs = seq_lens.shape[0]
@@ -235,12 +294,13 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     fp8, k_scale, v_scale = fp8_scales(kv_cache, k_scale, v_scale)
     _ragged_paged_attn_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
-        num_seqs, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        num_seqs, scale * _LOG2E, **_window_args(sliding_window, soft_cap),
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3), stride_bt=block_tables.stride(0),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -253,32 +313,38 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale,
+    qk_scale, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     num_heads, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):
+    PAD_D: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
     NUM_SPLITS = tl.num_programs(2)
     kv_h = tl.program_id(0)  # fastest: a sequence's KV heads read adjacent cache rows together
     seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each split gets a BLOCK_N-aligned slice, sized from this sequence's own length, so short
-    # sequences in a batch with long ones do not leave most splits idle with tiny slices.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_lo = split * chunk
+    # The query (position seq_len - 1) sees [ctx_lo, seq_len): everything, or its window. Each split
+    # gets a BLOCK_N-multiple slice of that range, sized from this sequence's own length, so short
+    # sequences in a batch with long ones do not leave most splits idle with tiny slices; positions
+    # before the window are never visited.
+    ctx_lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - ctx_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_lo = ctx_lo + split * chunk
     n_hi = tl.minimum(n_lo + chunk, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     head = kv_h * GROUP + offs_h
     h_ok = offs_h < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None], other=0.0)
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
 
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if KV_FP8:
@@ -286,13 +352,13 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_h_off = kv_h * stride_ch
-    # The only query token sits at position seq_len - 1, so the causal mask is no mask: the bound
-    # n < n_hi is all that cuts a tile.
+    # The only query token sits at position seq_len - 1, so the causal mask is no mask, and the slices
+    # start inside the window: the bound n < n_hi is all that cuts a tile (USE_WINDOW=False).
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)
     for n_start in range(n_lo, n_hi, BLOCK_N):
-        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, n_hi,
-                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale,
-                                     offs_n, offs_d, True, DOT_PRECISION)
+        acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, n_lo, n_hi,
+                                     q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
+                                     offs_n, offs_d, d_ok, True, DOT_PRECISION, False, USE_SOFT_CAP, PAD_D)
 
     empty = l_i == 0.0  # split past the end of this sequence (or seq_len == 0: a padding slot)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -301,13 +367,13 @@ def _decode_split_kernel(
     if not SPLIT:
         # Nothing to merge: write the final output directly and skip the reduce launch.
         o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
     else:
         # part_o [B, Hq, NUM_SPLITS, D] fp32, part_lse [B, Hq, NUM_SPLITS] fp32 (log2 domain).
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_lse_ptr + base, lse, mask=h_ok)
-        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
+        tl.store(part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None] & d_ok[None, :])
 
 
 # The split count is a run-time value (the grid's third dimension in the split kernel, an argument
@@ -315,14 +381,15 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     o_ptr, part_o_ptr, part_lse_ptr, stride_ot, stride_oh, num_heads, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     NUM_SPLITS = num_splits
     # Merge the splits of one (sequence, query head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
     head = tl.program_id(0)
     seq = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
     s_ok = offs_s < NUM_SPLITS
     base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
@@ -330,10 +397,11 @@ def _decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len == 0): output zeros
     w = tl.exp2(lse - m)
     denom = tl.sum(w, axis=0)
-    part = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    part = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(o_ptr.dtype.element_ty))
+             out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 MAX_SPLITS = 32
@@ -372,12 +440,14 @@ def _decode_config(head_dim: int) -> tuple[int, int, int]:
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, max_seq_len: int, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: q [B, Hq, D] (row b belongs to sequence b,
     the token at position seq_lens[b] - 1); returns [B, Hq, D]. Split-K over the context with
     num_splits slices (default from default_num_splits; pass a fixed value for CUDA-graph capture).
     Sequences with seq_len == 0 (padding) produce zeros. An FP8 cache is read with k_scale / v_scale
-    (one-element fp32; None: 1.0).
+    (one-element fp32; None: 1.0). sliding_window / soft_cap: the layer's window and logit cap (module
+    docstring); the splits then divide only the window, and None is no window / no cap.
     """
     num_seqs, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
     assert seq_lens.shape[0] == num_seqs, (seq_lens.shape, q.shape)
@@ -388,7 +458,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         return out
     assert block_tables.stride(-1) == 1
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        # A window bounds what each query reads: split for that length, not the whole context.
+        num_splits = default_num_splits(num_seqs, num_kv_heads, min(max_seq_len, sliding_window or max_seq_len),
+                                        q.device)
     assert 1 <= num_splits <= MAX_SPLITS
     group = num_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows; extra rows are masked
@@ -402,18 +474,20 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     fp8, k_scale, v_scale = fp8_scales(kv_cache, k_scale, v_scale)
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, out, part_o, part_lse, kv_cache, seq_lens, block_tables, k_scale, v_scale,
-        scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        num_heads, BLOCK_SIZE=kv_cache.shape[2],
+        scale * _LOG2E, **_window_args(sliding_window, soft_cap),
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3), stride_bt=block_tables.stride(0),
+        num_heads=num_heads, BLOCK_SIZE=kv_cache.shape[2],
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_heads, num_seqs)](
             out, part_o, part_lse, out.stride(0), out.stride(1), num_heads, num_splits,
-            SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim,
+            SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out

@@ -45,10 +45,19 @@ class ParamLayout:
     pack_factor: output features per stored element along output_dim (8 for int4 packed in int32,
       the block height for block scales); a shard starts at offset // pack_factor.
     per_shard: one value per merged shard (a per-tensor scale); the parameter is [num_shards].
+    input_dim: the dimension that runs along input features, where a row-parallel layer's ranks cut
+      their parts (None: every rank keeps it whole, e.g. a per-output-channel scale).
+    input_pack_factor: input features per stored element along input_dim (the group size of a
+      group-wise scale, the block width of a block scale, 8 for int4 packed along the input).
+
+    Tensor parallelism reads the same layout: a column-parallel rank keeps its part of output_dim,
+    a row-parallel rank its part of input_dim; per-shard (per-tensor) values are replicated.
     """
     output_dim: int | None = 0
     pack_factor: int = 1
     per_shard: bool = False
+    input_dim: int | None = None
+    input_pack_factor: int = 1
 
 
 def register_param(layer: nn.Module, name: str, tensor: torch.Tensor, layout: ParamLayout) -> nn.Parameter:
@@ -63,6 +72,55 @@ def replace_param(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
     if name in layer._parameters:
         del layer._parameters[name]
     layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def as_tensor(tensor) -> torch.Tensor:
+    """A checkpoint tensor, read now if it is still a lazy slice of a file (safetensors_io.LazySlice)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
+
+
+def _cut(tensor, dim: int, start: int, length: int, what: str):
+    """tensor[start:start + length] along dim, zero-padded where it runs past the end (the last
+    rank's part of a vocabulary padded to a multiple of the ranks); lazy slices stay lazy."""
+    full = tensor.shape[dim]
+    if start + length > full and what != "pad":
+        raise ValueError(f"checkpoint dimension {dim} has {full} elements; this rank's part is "
+                         f"[{start}, {start + length})")
+    have = max(0, min(length, full - start))
+    part = tensor.narrow(dim, min(start, full), have)
+    if have == length:
+        return part
+    part = as_tensor(part)
+    pad = [0, 0] * (part.dim() - 1 - dim) + [0, length - have]
+    return torch.nn.functional.pad(part, pad)
+
+
+def rank_part(layer: nn.Module, name: str, tensor, shard: str | None):
+    """This tensor-parallel rank's part of one checkpoint tensor, cut by the parameter's layout:
+    a column-parallel layer (`layer.tp_output`: shard -> index of the part this rank holds, each
+    part as long as the rank's shard) along output_dim, a row-parallel one (`layer.tp_input`: the
+    part's index) along input_dim. Layers of one rank (both unset) get the tensor untouched.
+    Runs before anything is read, so a lazy safetensors slice reads only this part."""
+    layout = layer.param_layouts.get(name)
+    if layout is None or layout.per_shard:
+        return tensor
+    tp_output, tp_input = getattr(layer, "tp_output", None), getattr(layer, "tp_input", None)
+    if tp_output and layout.output_dim is not None:
+        index = tp_output[shard]
+        size = layer.shard_offsets[shard][1] if shard is not None else layer.out_features
+        pf = layout.pack_factor
+        if (index * size) % pf:
+            raise ValueError(f"{name}: a tensor-parallel part of {size} output features does not start on a "
+                             f"stored element ({pf} output features each); use fewer ranks")
+        what = "pad" if getattr(layer, "tp_pads_output", False) else "exact"
+        return _cut(tensor, layout.output_dim, index * size // pf, -(-size // pf), what)
+    if tp_input is not None and layout.input_dim is not None:
+        k, ipf = layer.in_features, layout.input_pack_factor
+        if k % ipf:
+            raise ValueError(f"{name}: a tensor-parallel part of {k} input features is not a whole number of "
+                             f"stored elements ({ipf} input features each); use fewer ranks")
+        return _cut(tensor, layout.input_dim, tp_input * k // ipf, k // ipf, "exact")
+    return tensor
 
 
 def load_param(layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None,
@@ -135,7 +193,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         register_param(layer, "weight", torch.empty(layer.out_features, layer.in_features, dtype=layer.params_dtype),
-                       ParamLayout(output_dim=0))
+                       ParamLayout(output_dim=0, input_dim=1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return linear(x, layer.weight, layer.bias)  # F.linear; column blocks on CPU where faster

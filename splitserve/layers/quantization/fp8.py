@@ -83,9 +83,9 @@ class Fp8LinearMethod(LinearMethod):
         s, n, k = self.scheme, layer.out_features, layer.in_features
         num_shards = max(1, len(layer.shard_offsets))
         if s.online:
-            register_param(layer, "weight", torch.empty(n, k, dtype=layer.params_dtype), ParamLayout(output_dim=0))
+            register_param(layer, "weight", torch.empty(n, k, dtype=layer.params_dtype), ParamLayout(output_dim=0, input_dim=1))
             return
-        register_param(layer, "weight", torch.empty(n, k, dtype=ops.FP8), ParamLayout(output_dim=0))
+        register_param(layer, "weight", torch.empty(n, k, dtype=ops.FP8), ParamLayout(output_dim=0, input_dim=1))
         if s.weights == "tensor":
             register_param(layer, s.scale_name, torch.ones(num_shards, dtype=torch.float32), ParamLayout(per_shard=True))
         elif s.weights == "channel":
@@ -95,7 +95,7 @@ class Fp8LinearMethod(LinearMethod):
             if s.activations == "group" and k % bk:
                 raise ValueError(f"block-wise FP8 needs input features divisible by {bk}, got {k}")
             register_param(layer, s.scale_name, torch.ones(-(-n // bn), -(-k // bk), dtype=torch.float32),
-                           ParamLayout(output_dim=0, pack_factor=bn))
+                           ParamLayout(output_dim=0, pack_factor=bn, input_dim=1, input_pack_factor=bk))
         if s.activations == "static":
             register_param(layer, "input_scale", torch.ones(num_shards, dtype=torch.float32), ParamLayout(per_shard=True))
 

@@ -47,7 +47,7 @@ class Int8LinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
         n, k = layer.out_features, layer.in_features
         num_shards = max(1, len(layer.shard_offsets))
-        register_param(layer, "weight", torch.empty(n, k, dtype=torch.int8), ParamLayout(output_dim=0))
+        register_param(layer, "weight", torch.empty(n, k, dtype=torch.int8), ParamLayout(output_dim=0, input_dim=1))
         if self.scheme.weights == "channel":
             register_param(layer, "weight_scale", torch.ones(n, 1, dtype=torch.float32), ParamLayout(output_dim=0))
         else:

@@ -88,23 +88,35 @@ class WNA16LinearMethod(LinearMethod):
             raise ValueError(f"{self.describe()}: layer [{n}, {k}] does not pack into int32 words of {p} values")
         plain_g_idx = (torch.arange(k, dtype=torch.int32) // g)
         i32 = torch.int32
+        # Along the input (a row-parallel rank's part): packed words hold p inputs, group tensors one
+        # row per group (per-channel scales have one group for every rank: kept whole).
+        gin = 0 if s.group_size != -1 else None
         if s.fmt == "gptq":
-            register_param(layer, "qweight", torch.zeros(k // p, n, dtype=i32), ParamLayout(output_dim=1))
-            register_param(layer, "qzeros", torch.zeros(ng, n // p, dtype=i32), ParamLayout(output_dim=1, pack_factor=p))
-            register_param(layer, "scales", torch.ones(ng, n, dtype=torch.float32), ParamLayout(output_dim=1))
-            register_param(layer, "g_idx", plain_g_idx, ParamLayout(output_dim=None))
+            register_param(layer, "qweight", torch.zeros(k // p, n, dtype=i32),
+                           ParamLayout(output_dim=1, input_dim=0, input_pack_factor=p))
+            register_param(layer, "qzeros", torch.zeros(ng, n // p, dtype=i32),
+                           ParamLayout(output_dim=1, pack_factor=p, input_dim=gin, input_pack_factor=g))
+            register_param(layer, "scales", torch.ones(ng, n, dtype=torch.float32),
+                           ParamLayout(output_dim=1, input_dim=gin, input_pack_factor=g))
+            register_param(layer, "g_idx", plain_g_idx, ParamLayout(output_dim=None, input_dim=0))
         elif s.fmt == "awq":
-            register_param(layer, "qweight", torch.zeros(k, n // p, dtype=i32), ParamLayout(output_dim=1, pack_factor=p))
-            register_param(layer, "qzeros", torch.zeros(ng, n // p, dtype=i32), ParamLayout(output_dim=1, pack_factor=p))
-            register_param(layer, "scales", torch.ones(ng, n, dtype=torch.float32), ParamLayout(output_dim=1))
+            register_param(layer, "qweight", torch.zeros(k, n // p, dtype=i32),
+                           ParamLayout(output_dim=1, pack_factor=p, input_dim=0))
+            register_param(layer, "qzeros", torch.zeros(ng, n // p, dtype=i32),
+                           ParamLayout(output_dim=1, pack_factor=p, input_dim=gin, input_pack_factor=g))
+            register_param(layer, "scales", torch.ones(ng, n, dtype=torch.float32),
+                           ParamLayout(output_dim=1, input_dim=gin, input_pack_factor=g))
         else:
-            register_param(layer, "weight_packed", torch.zeros(n, k // p, dtype=i32), ParamLayout(output_dim=0))
-            register_param(layer, "weight_scale", torch.ones(n, ng, dtype=torch.float32), ParamLayout(output_dim=0))
+            gin = 1 if s.group_size != -1 else None
+            register_param(layer, "weight_packed", torch.zeros(n, k // p, dtype=i32),
+                           ParamLayout(output_dim=0, input_dim=1, input_pack_factor=p))
+            register_param(layer, "weight_scale", torch.ones(n, ng, dtype=torch.float32),
+                           ParamLayout(output_dim=0, input_dim=gin, input_pack_factor=g))
             if not s.symmetric:
                 register_param(layer, "weight_zero_point", torch.zeros(-(-n // p), ng, dtype=i32),
-                               ParamLayout(output_dim=0, pack_factor=p))
+                               ParamLayout(output_dim=0, pack_factor=p, input_dim=gin, input_pack_factor=g))
             if s.act_order:
-                register_param(layer, "weight_g_idx", plain_g_idx, ParamLayout(output_dim=None))
+                register_param(layer, "weight_g_idx", plain_g_idx, ParamLayout(output_dim=None, input_dim=0))
         layer.wna16_shared_loaded = set()
 
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: str | None) -> None:
@@ -112,14 +124,20 @@ class WNA16LinearMethod(LinearMethod):
             # [out, in] of this checkpoint module (one shard of a merged layer): checked, not kept
             size = layer.shard_offsets[shard][1] if shard is not None else layer.out_features
             got = tuple(int(v) for v in tensor.reshape(-1).tolist())
-            if got != (size, layer.in_features):
+            expect = (size, layer.in_features)
+            # a tensor-parallel rank holds a part of the side it splits: only the other is checked
+            if getattr(layer, "tp_output", None) and len(got) == 2:
+                expect = (got[0], layer.in_features)
+            elif getattr(layer, "tp_input", None) is not None and len(got) == 2:
+                expect = (size, got[1])
+            if got != expect:
                 where = f" (shard {shard!r})" if shard is not None else ""
-                raise ValueError(f"weight_shape{where}: checkpoint says {got}, the layer expects "
-                                 f"{(size, layer.in_features)}")
+                raise ValueError(f"weight_shape{where}: checkpoint says {got}, the layer expects {expect}")
             return
         if name in ("g_idx", "weight_g_idx") and name in layer.param_layouts:
             # one input permutation for the whole merged layer: every shard must carry the same
             g_idx = getattr(layer, name)
+            tensor = self._local_groups(layer, name, tensor)
             if tensor.shape != g_idx.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match {tuple(g_idx.shape)}")
             if name in layer.wna16_shared_loaded and not torch.equal(g_idx.data, tensor.to(g_idx.dtype)):
@@ -127,6 +145,20 @@ class WNA16LinearMethod(LinearMethod):
                                  f"layer share their input channel order")
             layer.wna16_shared_loaded.add(name)
         super().load(layer, name, tensor, shard)
+
+    def _local_groups(self, layer: nn.Module, name: str, g_idx: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's part of g_idx numbers the checkpoint's groups; its scales hold the
+        rank's groups only. Renumbered from the rank's first group; an input channel of this rank
+        in another rank's group (act-order across parts) cannot be served by the part's scales."""
+        part = getattr(layer, "tp_input", None)
+        if part is None or self.scheme.group_size == -1:
+            return g_idx
+        g, ng = self._groups(layer)
+        local = g_idx.to(torch.int64) - part * ng
+        if local.numel() and (local.min() < 0 or local.max() >= ng):
+            raise ValueError(f"{name}: this tensor-parallel rank's input channels use quantization groups of other "
+                             f"ranks (act-order across parts); serve this checkpoint with fewer ranks")
+        return local.to(g_idx.dtype)
 
     def _canonical(self, layer: nn.Module) -> WNA16Weight:
         s = self.scheme
