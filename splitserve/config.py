@@ -73,12 +73,19 @@ class CacheConfig:
         _require(self.cpu_kv_cache_gib > 0, f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # per-step token budget; prompts longer than it are chunked
+    # fcfs: arrival order; priority: by each request's priority (lower first), then arrival.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _require(self.policy in SCHEDULING_POLICIES,
+                 f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

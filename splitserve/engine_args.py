@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
-from splitserve.config import KV_CACHE_DTYPES
+from splitserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from splitserve.layers.quantization import QUANTIZATION_METHODS
 
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
@@ -44,6 +44,11 @@ class EngineArgs(CliOptions):
     max_num_seqs: int = option(256, help="most sequences in one step's batch")
     max_num_batched_tokens: int = option(
         8192, help="token budget of one step; longer prompts are prefilled in chunks")
+    scheduling_policy: str = option(
+        "fcfs", choices=SCHEDULING_POLICIES,
+        help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower first, "
+             "then arrival), and when KV blocks run out the lowest-priority running request is preempted "
+             "first")
     block_size: int = option(16, help="tokens per KV-cache block (8, 16, 32, 64 or 128)")
     num_blocks: int | None = option(
         None, default_text="sized from free GPU memory, or --cpu-kv-cache-gib on CPU",

@@ -38,6 +38,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 0  # prompt + output cap (model context or prompt + max_tokens)
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # with the priority policy: lower runs first (vLLM's convention)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -60,6 +61,10 @@ class Request:
     stop_reason: int | str | None = None
     # Per-token logprob dicts of the output: [{token_id: logprob, ...}] (sampled token first).
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt_logprobs: entry j is prompt token j + 1's {token_id: logprob} (itself first, then the top
+    # k), gathered chunk by chunk until the first output token carries them to the front.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Images of a multimodal prompt (multimodal.inputs.ImageItem), sorted by placeholder offset.
@@ -69,6 +74,13 @@ class Request:
     # LoRA: its adapter (lora.request.LoRARequest), and whether it holds the adapter's GPU slot.
     lora_request: object | None = None
     lora_pinned: bool = False
+
+    def add_prompt_logprobs(self, start: int, entries: list[dict[int, float]], ranks: list[int]) -> None:
+        """Prompt logprobs of prompt tokens start + 1 ... from one computed chunk. A chunk computed
+        again (after a preemption) replaces what it covers."""
+        del self.prompt_logprobs[start:], self.prompt_logprob_ranks[start:]
+        self.prompt_logprobs += entries
+        self.prompt_logprob_ranks += ranks
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 # OpenAI's range for logit_bias values: -100 bans a token, +100 forces it.
 LOGIT_BIAS_LIMIT = 100.0
+# Most top logprobs a token may ask for (vLLM's default max_logprobs), sampled and prompt tokens alike.
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -102,6 +104,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    # Per prompt token after the first: its logprob given the tokens before it, plus the top k.
+    prompt_logprobs: int | None = None
+    # Keep only the last k prompt tokens (-1: the model's context); applied by the engine's front.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # {token id: bias added to its logit}, values in [-100, 100] (-100 bans, +100 forces)
@@ -178,8 +184,14 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
+            bad("truncate_prompt_tokens", "must be -1 (the model's context) or an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -55,8 +55,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, in whole blocks. At least one token is always left to
-        compute: the step must produce logits for the last token."""
-        if not self.enable_prefix_caching:
+        compute: the step must produce logits for the last token. A request that asks for
+        prompt logprobs gets no hits (as in vLLM): they come from computing every prompt token."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

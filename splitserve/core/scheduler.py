@@ -4,7 +4,10 @@ Each step decides one number per request: how many of its not-yet-computed token
 chunked prefill and decode are the same thing with different counts. Running requests go first (so
 decodes are never starved by new prompts), then waiting ones are admitted while the budget, the
 sequence cap and the KV blocks allow. When blocks run out, the most recently admitted running request
-is preempted: its blocks are freed and it is recomputed later from its tokens.
+is preempted: its blocks are freed and it is recomputed later from its tokens. Under the priority
+policy (`--scheduling-policy priority`, vLLM's) the waiting queue is ordered by (priority, arrival)
+and the victim is the running request of the largest priority value (the latest among equals), which
+may be one already given tokens in this step: it is taken out of the step again.
 
 The scheduler owns the `Request` objects; the worker gets a plain-data `SchedulerOutput` per step
 (core/sched_output.py) and keeps its own persistent batch. `update` resolves a step's results against
@@ -23,10 +26,10 @@ adapter's slot (lora/manager.py), so a step never holds more distinct adapters t
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
+from splitserve.core.request_queue import make_waiting_queue
 from splitserve.core.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.request import Request, RequestStatus
 
@@ -39,7 +42,8 @@ class Scheduler:
         self.kv = kv_manager
         self.structured = structured  # StructuredOutputManager, or None (no constrained requests)
         self.lora = lora  # lora.manager.LoRAManager, or None (LoRA not enabled)
-        self.waiting: deque[Request] = deque()
+        # Arrival order (fcfs) or (priority, arrival) order: core/request_queue.py.
+        self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -81,7 +85,11 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(request, n):
-                victim = self.running.pop()
+                victim, j = self._victim()
+                del self.running[j]
+                if j < i:  # priority policy: a request scheduled earlier in this step gives way
+                    i -= 1
+                    budget += self._unschedule(out, scheduled, victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -96,7 +104,7 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # the request itself was preempted: it was the last running one
+            break  # the request itself was preempted: nothing is left that it could give way to
 
         # New work only when nothing had to give way this step.
         now = None
@@ -147,6 +155,27 @@ class Scheduler:
             self._steps[out.step_id] = scheduled
         return out
 
+    def _victim(self) -> tuple[Request, int]:
+        """The running request to preempt and its index: the newest (fcfs), or the lowest priority
+        (the largest value; the latest arrival among equals) under the priority policy."""
+        if self.config.policy == "priority":
+            running = self.running
+            # Scanned from the end: max keeps the first of equals, so the newest of them.
+            j = max(reversed(range(len(running))), key=lambda k: (running[k].priority, running[k].arrival_time))
+            return running[j], j
+        return self.running[-1], len(self.running) - 1
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, scheduled: list[tuple[Request, int]], request: Request) -> int:
+        """Takes a request out of the step being built; returns the tokens it had been given."""
+        n = out.num_scheduled_tokens.pop(request.request_id, 0)
+        scheduled[:] = [(r, k) for r, k in scheduled if r is not request]
+        cached = out.cached_requests
+        if request.request_id in cached.req_ids:
+            k = cached.req_ids.index(request.request_id)
+            del cached.req_ids[k], cached.new_block_ids[k]
+        return n
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         if request.lora_pinned:
@@ -183,14 +212,20 @@ class Scheduler:
                 num_samples += 1
         return num_samples
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               prompt_logprobs: dict[str, tuple] | None = None) -> list[Request]:
         """With a step's results: turns the pending tokens of its sampling requests into output
         tokens, applies token-level stop rules and caches filled blocks. Returns the requests that got
-        a new token (finished ones included)."""
+        a new token (finished ones included). `prompt_logprobs`: {id: (start, entries, ranks)} of the
+        prompt chunks the step computed for requests that asked for them."""
         updated = []
         for request, n in self._steps.pop(out.step_id, ()):
             if request.is_finished:  # aborted (or failed) while the step ran
                 continue
+            if prompt_logprobs and not request.output_token_ids:
+                chunk = prompt_logprobs.get(request.request_id)
+                if chunk is not None:
+                    request.add_prompt_logprobs(*chunk)
             holds_blocks = request.status == RequestStatus.RUNNING  # a preempted request has none
             token = sampled.get(request.request_id)
             if token is not None:

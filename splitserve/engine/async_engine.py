@@ -289,7 +289,7 @@ class AsyncLLMEngine:
                 logger.warning("could not send %s to the engine core", what)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    lora_request=None) -> RequestStream:
+                    lora_request=None, priority: int = 0) -> RequestStream:
         """Validates and queues a request; returns its stream. Raises at once (before anything is
         queued) with ValueError for bad input, EngineOverloadedError when the queue is full and
         EngineShutdownError when stopping. Must be called on the event loop thread; the server hands
@@ -311,7 +311,8 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request_id, core_requests = self.front.new_request(request_id, prompt, params, lora_request=lora_request)
+        request_id, core_requests = self.front.new_request(request_id, prompt, params, lora_request=lora_request,
+                                                           priority=priority)
         try:
             data = self._to_core.encode(AddRequests(core_requests))
         except (msgspec.EncodeError, OverflowError) as e:  # e.g. a seed beyond 64 bits

@@ -82,6 +82,7 @@ class ModelSpec:
     tokenizer_source: ModelSource | None = None
     sampling_defaults: dict = field(default_factory=dict)
     lora_config: object | None = None  # lora.registry.LoRAConfig with --enable-lora
+    world_size: int = 1  # ranks (tensor x pipeline parallel)
 
 
 def _check_device(device: str) -> None:
@@ -115,12 +116,13 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
                           quant_config),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
                           args.cpu_kv_cache_gib, args.enable_prefix_caching, args.kv_cache_dtype),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy),
         compile=CompileConfig(enforce_eager=args.enforce_eager),
         device=device, attention_backend=backend)
     names = tuple(args.served_model_name or (source.name,))
     from splitserve.lora.registry import lora_config_from_args
-    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults, lora_config_from_args(args))
+    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults, lora_config_from_args(args),
+                     args.world_size)
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
@@ -259,7 +261,7 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         self.num_received += 1
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
-                          req.max_total_tokens, req.arrival_time, mm_items=req.mm_items,
+                          req.max_total_tokens, req.arrival_time, req.priority, mm_items=req.mm_items,
                           lora_request=req.lora_request)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -397,14 +399,18 @@ class EngineCore:
             return self._fail_step(sched, exc)
         self._failed_steps_in_a_row = 0
         outputs = []
-        for request in self.scheduler.update(sched, result.tokens):
+        for request in self.scheduler.update(sched, result.tokens, result.prompt_logprobs):
             lp = result.logprobs.get(request.request_id)
             out = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
                                    None if lp is None else [lp], request.status.finish_reason,
                                    request.stop_reason, request.num_cached_tokens)
             if lp is not None:
                 out.new_logprob_ranks = [result.logprob_ranks.get(request.request_id, 0)]
-            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
-                out.queue_time = request.first_scheduled_time - request.arrival_time
+            if len(request.output_token_ids) == 1:
+                if request.first_scheduled_time is not None:
+                    out.queue_time = request.first_scheduled_time - request.arrival_time
+                if request.sampling_params.prompt_logprobs is not None:  # gathered chunk by chunk
+                    out.prompt_logprobs, out.prompt_logprob_ranks = request.prompt_logprobs, request.prompt_logprob_ranks
+                    request.prompt_logprobs, request.prompt_logprob_ranks = [], []
             outputs.append(out)
         return outputs

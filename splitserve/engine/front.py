@@ -55,6 +55,7 @@ class EngineFront:
                  stream_interval: int = 1):
         self.source = spec.source
         self.model_name = spec.model_name
+        self.world_size = spec.world_size
         self.served_model_names = spec.served_model_names or (spec.model_name,)
         # SamplingParams fields a request that leaves them unset takes (the generation config's).
         self.sampling_defaults = dict(spec.sampling_defaults)
@@ -79,14 +80,36 @@ class EngineFront:
     def states(self) -> dict[str, RequestState]:
         return self.output_processor.states
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids; with params, cut to their truncate_prompt_tokens (the last k)."""
+        k = params.truncate_prompt_tokens if params is not None else None
         if hasattr(prompt, "mm_items"):
+            if k is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             return prompt  # a MultiModalPrompt: expanded ids that carry their images along
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        return ids if k is None else self.truncate(ids, k)
+
+    def truncate(self, ids: list[int], k: int) -> list[int]:
+        """The last k tokens (vLLM's truncate_prompt_tokens; -1: the model's context)."""
+        limit = self.config.model.max_model_len
+        if k > limit:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({limit}); "
+                             f"choose a smaller truncation size")
+        k = limit if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy "
+                             f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Checks a tokenized request against the model and cache; returns its total-token cap."""
@@ -102,6 +125,9 @@ class EngineFront:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         self._validate_token_params(params, vocab)
+        if params.prompt_logprobs is not None and self.world_size > 1:
+            # The rank workers (distributed/worker.py) do not compute them yet: refuse, never drop.
+            raise ValueError(f"prompt_logprobs is not supported yet with several ranks (world size {self.world_size})")
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
                              f"tokens exceeds the model's context of {limit} tokens")
@@ -136,11 +162,12 @@ class EngineFront:
 
     def new_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True,
-                    lora_request=None) -> tuple[str, list[EngineCoreRequest]]:
+                    lora_request=None, priority: int = 0) -> tuple[str, list[EngineCoreRequest]]:
         """Tokenizes and validates a request, registers it with the output processor, and returns its
         id with the core requests of its sequences (one, or n for parallel samples). `lora_request`:
         a lora.request.LoRARequest, or None for the base model."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         if lora_request is not None:
             self.loras.check(lora_request)
         vocab = self.config.model.vocab_size
@@ -151,7 +178,7 @@ class EngineFront:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize_prompt(prompt)
+        prompt_ids = self.tokenize_prompt(prompt, params)
         total = self.validate(prompt_ids, params)
         arrival = arrival_time or time.monotonic()
         eos = self.config.model.eos_token_ids
@@ -160,5 +187,5 @@ class EngineFront:
         self.output_processor.add_request(state)
         mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
-                                              lora_request)
+                                              lora_request, priority)
                             for c in state.children]

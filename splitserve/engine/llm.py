@@ -42,10 +42,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of the prompts. A prompt is
         text, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. `lora_request`: a
-        LoRARequest for every prompt, or a list of one (or None) per prompt (needs enable_lora)."""
+        LoRARequest for every prompt, or a list of one (or None) per prompt (needs enable_lora).
+        `priority`: one per prompt, with scheduling_policy="priority" (lower runs first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [self._unwrap(p) for p in prompts]
@@ -55,6 +56,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if isinstance(lora_request, (list, tuple)):
             loras = list(lora_request)
             if len(loras) != len(prompts):
@@ -62,13 +66,14 @@ class LLM:
         else:
             loras = [lora_request] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
-        for ids, sp in zip(tokenized, params):
+        tokenized = [self.engine.tokenize_prompt(p, sp) for p, sp in zip(prompts, params)]
+        for ids, sp, prio in zip(tokenized, params, priorities):
             self.engine.validate(ids, sp)
+            self.engine.front.check_priority(prio)
         for lora in {id(x): x for x in loras if x is not None}.values():
             self.engine.front.loras.check(lora)
-        ids = [self.engine.add_request(None, p, sp, stream=False, lora_request=lr)
-               for p, sp, lr in zip(prompts, params, loras)]
+        ids = [self.engine.add_request(None, p, sp, stream=False, lora_request=lr, priority=prio)
+               for p, sp, lr, prio in zip(prompts, params, loras, priorities)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -94,14 +99,15 @@ class LLM:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def _decode_logprobs(self, out: RequestOutput) -> None:
-        """Fills each Logprob's decoded_token (the token's own text, special tokens included)."""
+        """Fills each Logprob's decoded_token (the token's own text, special tokens included), of the
+        output's logprobs and the prompt's."""
         cache: dict[int, str] = {}
-        for o in out.outputs:
-            for entry in o.logprobs or ():
-                for token, lp in entry.items():
-                    if token not in cache:
-                        cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-                    lp.decoded_token = cache[token]
+        entries = [e for o in out.outputs for e in o.logprobs or ()] + [e for e in out.prompt_logprobs or () if e]
+        for entry in entries:
+            for token, lp in entry.items():
+                if token not in cache:
+                    cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+                lp.decoded_token = cache[token]
 
     def _unwrap(self, prompt: Prompt) -> str | list[int]:
         if isinstance(prompt, dict):

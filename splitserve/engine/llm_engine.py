@@ -102,18 +102,20 @@ class LLMEngine:
         return self.core.runner
 
     # -- requests --------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt):
-        return self.front.tokenize_prompt(prompt)
+    def tokenize_prompt(self, prompt, params: SamplingParams | None = None):
+        return self.front.tokenize_prompt(prompt, params)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         return self.front.validate(prompt_ids, params)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True, lora_request=None) -> str:
+                    arrival_time: float | None = None, stream: bool = True, lora_request=None,
+                    priority: int = 0) -> str:
         """Queues a request. With stream=False, step() reports it only once it has finished (offline
-        use: no per-token output objects)."""
+        use: no per-token output objects). `priority` needs the priority scheduling policy (lower
+        runs first)."""
         request_id, core_requests = self.front.new_request(request_id, prompt, params, arrival_time, stream,
-                                                           lora_request)
+                                                           lora_request, priority)
         for req in core_requests:
             self.core.add_request(req)
         return request_id

@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     mm_items: tuple[ImageItem, ...] = ()
     lora_request: LoRARequest | None = None
+    priority: int = 0              # --scheduling-policy priority: lower runs first
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True):
@@ -53,6 +54,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache at admission
     queue_time: float | None = None    # seconds from arrival to first scheduling (first output only)
     new_logprob_ranks: list[int] | None = None  # per new token with logprobs: its rank (1: the likeliest)
+    # With the first token of a request that asked for them: per prompt token after the first, its
+    # {token_id: logprob} (the prompt token first, then the top k) and the prompt token's rank.
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_logprob_ranks: list[int] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

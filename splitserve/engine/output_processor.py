@@ -80,6 +80,9 @@ class RequestOutput:
     first_token_time: float | None = None
     # Seconds from arrival until first scheduled (filled once).
     queue_time: float | None = None
+    # prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token its
+    # {token_id: Logprob} (the prompt token itself and the top k); set from the first output token on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class _ChildState:
@@ -123,10 +126,18 @@ class RequestState:
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.queue_time: float | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
+
+    def set_prompt_logprobs(self, entries: list[dict[int, float]], ranks: list[int] | None) -> None:
+        """The core's prompt logprobs (one entry per prompt token after the first); every child
+        sends the same ones, the first to arrive is kept."""
+        if self.prompt_logprobs is None:
+            ranks = ranks or [None] * len(entries)
+            self.prompt_logprobs = [None] + [ranked(e, r) for e, r in zip(entries, ranks)]
 
     def add_tokens(self, child: _ChildState, token_ids: list[int], logprobs, finish_reason: str | None,
                    stop_reason, logprob_ranks: list[int] | None = None) -> str | None:
@@ -196,7 +207,8 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
-            arrival_time=self.arrival_time, first_token_time=self.first_token_time, queue_time=self.queue_time)
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, queue_time=self.queue_time,
+            prompt_logprobs=self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -241,6 +253,8 @@ class OutputProcessor:
                 state.num_cached_tokens = o.num_cached_tokens
             if o.queue_time is not None and state.queue_time is None:
                 state.queue_time = o.queue_time
+            if o.prompt_logprobs is not None:
+                state.set_prompt_logprobs(o.prompt_logprobs, o.prompt_logprob_ranks)
             stop = state.add_tokens(child, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
                                     o.new_logprob_ranks)
             if stop is not None and o.finish_reason is None:

@@ -16,7 +16,7 @@ import torch
 
 from splitserve.layers.sampling_metadata import PenaltyRow, SamplingMetadata
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "PenaltyRow"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "PenaltyRow", "token_logprobs"]
 
 
 @dataclass
@@ -70,6 +70,19 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     logits[rows] = sub
 
 
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of [B, V] logprobs: ([B, 1 + k] values, [B, 1 + k] ids) of the given token then the
+    top k, and [B] the given token's rank (1 + how many tokens are strictly likelier)."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ids = token_ids[:, None]
+    ranks = (logprobs > chosen).sum(1) + 1
+    if num_top > 0:
+        top_vals, top_ids = logprobs.topk(num_top, dim=-1)
+        chosen, ids = torch.cat([chosen, top_vals], 1), torch.cat([ids, top_ids], 1)
+    return chosen, ids, ranks
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         device = logits.device
@@ -100,13 +113,7 @@ class Sampler:
 
         out = SamplerOutput(tokens, needs_host_tokens=meta.needs_host_tokens)
         if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, tokens[:, None])
-            ids = tokens[:, None]
-            out.logprob_ranks = (raw_logprobs > chosen).sum(1) + 1
-            if num_top > 0:
-                top_vals, top_ids = raw_logprobs.topk(num_top, dim=-1)
-                chosen, ids = torch.cat([chosen, top_vals], 1), torch.cat([ids, top_ids], 1)
-            out.logprobs, out.logprob_ids = chosen, ids
+            out.logprobs, out.logprob_ids, out.logprob_ranks = token_logprobs(raw_logprobs, tokens, num_top)
         return out
 
     @staticmethod

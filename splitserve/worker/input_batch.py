@@ -107,6 +107,10 @@ class InputBatch:
         self.seeded = np.zeros(R, dtype=bool)      # draws from its own generator (seeded, not greedy)
         self.penalties = np.zeros(R, dtype=bool)
         self.num_logprobs = np.full(R, -1, dtype=np.int64)  # -1: none asked
+        # prompt_logprobs' k per row (-1: none asked), and how many rows ask: a step looks at the
+        # rows only when some do (worker/prompt_logprobs.py).
+        self.num_prompt_logprobs = np.full(R, -1, dtype=np.int64)
+        self.num_prompt_logprob_rows = 0
         self.min_tokens = np.zeros(R, dtype=np.int64)
         # Rows that change logits by request: a constant bias (logit_bias, one-token bad words),
         # allowed_token_ids, bad words of several tokens (read the row's last tokens on the host).
@@ -185,6 +189,8 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not p.greedy
         self.penalties[row] = p.needs_penalties
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.num_prompt_logprob_rows += p.prompt_logprobs is not None
         self.min_tokens[row] = p.min_tokens if len(state.min_tokens_bans) else 0
         self.has_bias[row] = state.bias_ids is not None
         self.has_allowed[row] = state.allowed_ids is not None
@@ -197,6 +203,9 @@ class InputBatch:
         state.pending_src = int(self.pending_src[row])
         state.pending_step = int(self.pending_step[row])
         self.row_states[row] = None
+        if self.num_prompt_logprobs[row] >= 0:
+            self.num_prompt_logprobs[row] = -1
+            self.num_prompt_logprob_rows -= 1
         del self.row_of[state.req_id]
         heapq.heappush(self._free_rows, row)
         state.row = -1

@@ -22,6 +22,8 @@ from splitserve.core.sched_output import SchedulerOutput
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
+from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs,
+                                               prompt_logprobs_by_request)
 from splitserve.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class InFlightStep:
     host: tuple = ()  # (token ids, logprobs, logprob ids, ranks) on the host, copied without blocking
     done: torch.cuda.Event | None = None
     needs_sync: bool = False  # the next step must see these tokens on the host (penalties, grammars)
+    # prompt_logprobs: the plan and (values, ids, ranks) on the host, copied without blocking
+    prompt_logprobs: tuple[PromptLogprobsPlan, tuple] | None = None
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -120,6 +124,10 @@ class ForwardBatch:
     sampling_metadata: SamplingMetadata | None = None  # of the S sampling rows (None when S == 0)
     # (request state, start, n, first flat row) of the sequences that compute image placeholder tokens
     mm_spans: list | None = None
+    # Rows whose logits give prompt logprobs (None unless a request in the step asks for them), and
+    # the results on the device once the model has run.
+    prompt_logprobs: PromptLogprobsPlan | None = None
+    prompt_logprobs_out: tuple | None = None
 
 
 @dataclass
@@ -128,6 +136,8 @@ class StepResult:
     logprobs: dict[str, dict[int, float]]
     # the sampled token's rank among all tokens by logprob, for each request that asked for logprobs
     logprob_ranks: dict[str, int] = field(default_factory=dict)
+    # prompt_logprobs computed this step: {id: (first prompt-token index, entries, ranks)}, plain data
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -305,6 +315,8 @@ class ModelRunner:
             assert (seq_lens[pending] == ib.num_known[pending_rows] + 1).all(), "more than one pending input"
             st.fill_dst[:len(pending)] = last[pending]
             st.fill_src[:len(pending)] = fill_src = ib.pending_src[pending_rows]
+        # Before record_launch: rows that sample now have sampled nothing yet.
+        plan = plan_prompt_logprobs(ib, rows, starts, counts, qsl) if ib.num_prompt_logprob_rows else None
         ib.record_launch(rows, seq_lens, sample_rows, self.num_launched)
         if self.lora is not None:
             self.lora.prepare_step(ib.lora_id[rows], counts, self.device)
@@ -329,7 +341,7 @@ class ModelRunner:
             positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
             logits_indices=t["logits_indices"][:num_samples].to(dev, non_blocking=True),
-            sample_requests=sample_requests, sampling_metadata=meta_sampling)
+            sample_requests=sample_requests, sampling_metadata=meta_sampling, prompt_logprobs=plan)
         if self.mm is not None:
             # Sequences that compute tokens before the end of their last image run.
             mm = np.flatnonzero(starts < ib.mm_end[rows])
@@ -343,6 +355,7 @@ class ModelRunner:
         # Graphs are captured without LoRA deltas: a step with adapters runs the compiled layers eagerly.
         graphs_ok = self.lora is None or not self.lora.active
         if (graphs_ok and self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
+                and batch.prompt_logprobs is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
             return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta)
@@ -356,6 +369,9 @@ class ModelRunner:
                     hidden = self.model(batch.input_ids, batch.positions)
                 else:
                     hidden = self.model(batch.input_ids, batch.positions, batch.inputs_embeds)
+        if batch.prompt_logprobs is not None:
+            batch.prompt_logprobs_out = compute_prompt_logprobs(self.model, hidden, batch.prompt_logprobs,
+                                                                self.config.model.vocab_size)
         if not batch.sample_requests:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices])
@@ -371,14 +387,18 @@ class ModelRunner:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)
-        if logits is None:
+        if batch.prompt_logprobs_out is not None:
+            step.prompt_logprobs = (batch.prompt_logprobs,
+                                    tuple(x.to("cpu", non_blocking=True) for x in batch.prompt_logprobs_out))
+        elif logits is None:
             return step
-        out = self.sampler(logits, batch.sampling_metadata)
-        step.token_ids = out.token_ids
-        step.needs_sync = out.needs_host_tokens
-        # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
-        step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
-                          for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
+        if logits is not None:
+            out = self.sampler(logits, batch.sampling_metadata)
+            step.token_ids = out.token_ids
+            step.needs_sync = out.needs_host_tokens
+            # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
+            step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
+                              for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -387,10 +407,14 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> StepResult:
         """Waits for a launched step, records its sampled tokens in the persistent batch and returns
         them (and logprobs) by request id."""
-        if step.token_ids is None:
+        if step.token_ids is None and step.prompt_logprobs is None:
             return StepResult({}, {})
         if step.done is not None:
             step.done.synchronize()
+        prompt = prompt_logprobs_by_request(step.prompt_logprobs[0], *step.prompt_logprobs[1]) \
+            if step.prompt_logprobs is not None else {}
+        if step.token_ids is None:
+            return StepResult({}, {}, prompt_logprobs=prompt)
         token_ids, logprob_vals, logprob_ids, logprob_ranks = step.host
         tokens = token_ids.tolist()
         states = step.sample_requests
@@ -406,4 +430,4 @@ class ModelRunner:
                         entry.setdefault(t, v)
                     logprobs[r.req_id] = entry
                     ranks[r.req_id] = all_ranks[i]
-        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks)
+        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks, prompt)

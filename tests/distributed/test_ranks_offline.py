@@ -169,3 +169,16 @@ def test_two_nodes_on_one_machine(tiny_dir, hf_reference, tmp_path):
             node1.wait()
         log.close()
     assert_no_processes_left()
+
+
+def test_prompt_logprobs_with_ranks_are_refused_not_dropped(tiny_dir):
+    """The rank workers do not compute prompt logprobs yet: a request asking for them is an error up
+    front (before anything is queued), never an answer without them."""
+    llm = LLM(tiny_dir, tensor_parallel_size=2, **SMALL)
+    try:
+        with pytest.raises(ValueError, match="prompt_logprobs is not supported yet with several ranks"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+        assert len(llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    finally:
+        llm.engine.core.shutdown()
+    assert_no_processes_left()

@@ -73,7 +73,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, None),
     ({"max_completion_tokens": -2}, "max_tokens"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs --enable-auto-tool-choice
 ]
 

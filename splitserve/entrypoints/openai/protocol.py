@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic.types import FailFast
 
 from splitserve.models.generation_config import apply_defaults
-from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
+from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 # n fans a request out into n sequences; a cap keeps one request from flooding the engine.
 MAX_N = 128
@@ -96,6 +96,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # with include_usage: usage so far in every chunk (vLLM's)
 
 
 class _SamplingRequest(_Request):
@@ -120,7 +121,12 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, as OpenAI's; not used
+    # vLLM's extensions: lower runs first (--scheduling-policy priority); keep the last k prompt
+    # tokens; per prompt token its logprob and the top k (not with stream).
+    priority: int = Field(default=0, ge=-_INT64, lt=_INT64)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
+    prompt_logprobs: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     # Structured outputs (see the module's docstring).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -142,6 +148,8 @@ class _SamplingRequest(_Request):
             raise APIError(400, f"n must be <= {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The request's output constraint, from whichever of its fields names one (at most one)."""
@@ -196,7 +204,7 @@ class _SamplingRequest(_Request):
             raise APIError(400, str(e), param=param) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         defaults: dict | None = None) -> SamplingParams:
+                         defaults: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         def pick(value, default):
             return default if value is None else value
 
@@ -216,7 +224,8 @@ class _SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                structured_outputs=self._structured_outputs())
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self._structured_outputs())
         except ValueError as e:
             message = str(e)
             param = message.split(" ", 1)[0]
@@ -225,6 +234,12 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every streamed chunk (vLLM's stream_options.continuous_usage_stats, which
+        counts only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
@@ -241,7 +256,9 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        # echo with logprobs returns the prompt tokens' logprobs too (as vLLM: k = logprobs).
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a batch), each text or token ids."""
@@ -285,6 +302,9 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, defaults)
@@ -331,12 +351,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of prompt_logprobs, as vLLM writes its Logprob."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -424,6 +455,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the whole request
 
 
 class DeltaMessage(BaseModel):

@@ -23,11 +23,12 @@ from splitserve.engine.async_engine import (AsyncLLMEngine, EngineOverloadedErro
                                             EngineShutdownError, RequestStream)
 from splitserve.engine.output_processor import CompletionOutput, RequestOutput
 from splitserve.entrypoints.openai.protocol import (
-    APIError, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-    TokenizeRequest, TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo)
+    APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
+    ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse, TokenizeRequest, TokenizeResponse, UsageInfo)
 from splitserve.entrypoints.openai import tool_calls_serving as tools_io
+from splitserve.entrypoints.openai.serving_logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
+                                                            prompt_logprobs_out)
 from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
@@ -45,7 +46,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # the hop to a thread.
 _INLINE_TEXT_CHARS = 1024
 # Request fields whose errors the engine reports with the field's name first.
-_PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"})
+_PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words", "priority",
+                           "truncate_prompt_tokens", "prompt_logprobs"})
 _TOKENIZE_WORKERS = 4
 
 
@@ -203,7 +205,19 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, param: str, lora_request=None) -> RequestStream:
+    def _truncate(self, prompt, params: SamplingParams):
+        """A token-id prompt cut to truncate_prompt_tokens, before its length is checked (the engine's
+        front cuts it the same way; cutting twice changes nothing)."""
+        if params.truncate_prompt_tokens is None or isinstance(prompt, str) or hasattr(prompt, "mm_items"):
+            return prompt
+        try:
+            return self.engine.front.truncate(prompt, params.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from None
+
+    def _add(self, request_id: str, prompt, params: SamplingParams, param: str, lora_request=None,
+             priority: int = 0) -> RequestStream:
+        prompt = self._truncate(prompt, params)
         if not isinstance(prompt, str):
             self._check_length(prompt, param)
         if self.log_requests:  # never the text: prompts may be private
@@ -213,7 +227,7 @@ class OpenAIServing:
                         params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
                         params.max_tokens, params.seed, params.logprobs)
         try:
-            stream = self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
+            stream = self.engine.add_request(request_id, prompt, params, lora_request=lora_request, priority=priority)
         except EngineOverloadedError as e:
             raise overloaded(str(e)) from None
         except EngineShutdownError as e:
@@ -233,12 +247,12 @@ class OpenAIServing:
         return stream
 
     def _add_all(self, base_id: str, prompts: list, params: SamplingParams, param: str,
-                 lora_request=None) -> list[RequestStream]:
+                 lora_request=None, priority: int = 0) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(self._add(rid, prompt, params, param, lora_request))
+                streams.append(self._add(rid, prompt, params, param, lora_request, priority))
         except BaseException:
             self._abort(streams)  # all or nothing: a bad prompt in a batch leaves no work behind
             raise
@@ -337,33 +351,6 @@ class OpenAIServing:
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    # -- logprobs -------------------------------------------------------------------------------
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
-                             offset: int) -> CompletionLogprobs:
-        """Per token: its text, its logprob, and the top candidates (the sampled one always among
-        them, as vLLM does). The engine's dicts hold the sampled token first, then the top k."""
-        out = CompletionLogprobs()
-        for tid, entry in zip(token_ids, logprobs):
-            text = self.token_text(tid)
-            out.tokens.append(text)
-            out.token_logprobs.append(entry.get(tid))
-            out.top_logprobs.append({self.token_text(t): lp for t, lp in entry.items()})
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> ChatChoiceLogprobs:
-        content = []
-        for tid, entry in zip(token_ids, logprobs):
-            text = self.token_text(tid)
-            # Sorting recovers exactly the top k: a sampled token outside them ranks below all k.
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-            content.append(TokenLogprob(
-                token=text, logprob=entry.get(tid, float("-inf")), bytes=list(text.encode()),
-                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp,
-                                         bytes=list(self.token_text(t).encode())) for t, lp in top]))
-        return ChatChoiceLogprobs(content=content)
-
     # -- /tokenize -------------------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> Response:
         self.check_model(req.model)
@@ -392,24 +379,30 @@ class OpenAIServing:
         params = req.to_sampling_params(self.sampling_defaults)
         await self._check_constraint(params, req.constraint_field)
         prompts = req.prompts()
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         text_chars = sum(len(p) for p in prompts if isinstance(p, str))
         prompt_ids = await self._off_loop(text_chars, self._tokenize_prompts, prompts)
-        streams = self._add_all(request_id, prompt_ids, params, "prompt", lora)
-        echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
+        prompt_ids = [self._truncate(p, params) for p in prompt_ids]
+        streams = self._add_all(request_id, prompt_ids, params, "prompt", lora, req.priority)
+        # echo: the prompt as given, or the tokens left of it after truncate_prompt_tokens
+        cut = params.truncate_prompt_tokens is not None
+        echoes = [self._echo_text(ids if cut else p) if req.echo else "" for p, ids in zip(prompts, prompt_ids)]
         if req.stream:
-            return self._stream_response(self._completion_events(req, request_id, streams, params, echoes), streams)
+            return self._stream_response(self._completion_events(req, request_id, streams, params, echoes,
+                                                                 [len(p) for p in prompt_ids]), streams)
         finals = await self._collect(raw, streams)
         choices = []
         for i, final in enumerate(finals):
             for o in final.outputs:
                 lp = None
                 if params.logprobs is not None:
-                    lp = self._completion_logprobs(o.token_ids, o.logprobs or [], len(echoes[i]))
+                    lp = echo_logprobs(self.token_text, final.prompt_token_ids, final.prompt_logprobs) \
+                        if req.echo else None
+                    lp = completion_logprobs(self.token_text, o.token_ids, o.logprobs or [], len(echoes[i]), lp)
                 choices.append(CompletionChoice(index=i * params.n + o.index, text=echoes[i] + o.text, logprobs=lp,
-                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                                prompt_logprobs=prompt_logprobs_out(self.token_text,
+                                                                                    final.prompt_logprobs)))
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals))
         return json_response(body)
 
@@ -417,26 +410,46 @@ class OpenAIServing:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     async def _completion_events(self, req: CompletionRequest, request_id: str, streams: list[RequestStream],
-                                 params: SamplingParams, echoes: list[str]) -> AsyncIterator[str]:
+                                 params: SamplingParams, echoes: list[str],
+                                 prompt_lens: list[int]) -> AsyncIterator[str]:
         n = params.n
         finished: set[int] = set()
         offsets = {i * n + j: len(echoes[i]) for i in range(len(streams)) for j in range(n)}
         finals: dict[int, RequestOutput] = {}
-        exclude = None if req.include_usage else {"usage"}
+        # Streamed choices have no prompt_logprobs field (vLLM's neither).
+        exclude: dict = {"choices": {"__all__": {"prompt_logprobs"}}}
+        if not req.include_usage:
+            exclude["usage"] = True
         created = int(time.time())  # one timestamp for every chunk, as OpenAI does
+        # echo with logprobs: the prompt's chunk waits for its logprobs, which come with the first token.
+        echo_lp = params.logprobs is not None
+        pending_echo = {i for i, echo in enumerate(echoes) if echo}
 
         def chunk(index: int, text: str, o: CompletionOutput | None, finish: str | None,
                   lp: CompletionLogprobs | None) -> str:
             choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish,
                                       stop_reason=o.stop_reason if (o is not None and finish) else None)
-            body = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
+            usage = None
+            if req.continuous_usage:  # this choice's tokens so far
+                prompt, done = prompt_lens[index // n], len(o.token_ids) if o is not None else 0
+                usage = UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+            body = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[choice],
+                                            usage=usage)
             return _sse(body.model_dump_json(exclude=exclude))
 
-        for i, echo in enumerate(echoes):
-            if echo:
-                for j in range(n):
-                    yield chunk(i * n + j, echo, None, None, None)
+        def echo_chunks(i: int, out: RequestOutput | None):
+            pending_echo.discard(i)
+            lp = echo_logprobs(self.token_text, out.prompt_token_ids, out.prompt_logprobs) if out else None
+            return [chunk(i * n + j, echoes[i], None, None, lp) for j in range(n)]
+
+        if not echo_lp:
+            for i in sorted(pending_echo):
+                for c in echo_chunks(i, None):
+                    yield c
         async for i, out in self._merge(streams):
+            if i in pending_echo:
+                for c in echo_chunks(i, out):
+                    yield c
             if out.finished:
                 finals[i] = out
             for o in out.outputs:
@@ -446,7 +459,8 @@ class OpenAIServing:
                 finish = o.finish_reason
                 lp = None
                 if params.logprobs is not None and o.delta_token_ids:
-                    lp = self._completion_logprobs(o.delta_token_ids, o.delta_logprobs or [], offsets[index])
+                    lp = completion_logprobs(self.token_text, o.delta_token_ids, o.delta_logprobs or [],
+                                             offsets[index])
                     offsets[index] += sum(len(t) for t in lp.tokens)
                 if not o.delta_token_ids and finish is None:
                     continue  # a token whose text is still held back is still an event (empty text)
@@ -475,32 +489,40 @@ class OpenAIServing:
         if sources:
             prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._add_all(request_id, [prompt], params, "messages", lora)
+        prompt = self._truncate(prompt, params)
+        streams = self._add_all(request_id, [prompt], params, "messages", lora, req.priority)
         top_k = req.top_logprobs or 0
         if req.stream:
-            return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k, plan), streams)
+            return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k, plan,
+                                                           len(prompt)), streams)
         final = (await self._collect(raw, streams))[0]
         choices = []
         for o in final.outputs:
-            lp = self._chat_logprobs(o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
+            lp = chat_logprobs(self.token_text, o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
             message, finish = tools_io.message_out(plan, self.tool_parser, o.text, o.finish_reason)
             choices.append(ChatChoice(index=o.index, message=message, logprobs=lp,
                                       finish_reason=finish, stop_reason=o.stop_reason))
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=self._usage([final]))
+                                      usage=self._usage([final]),
+                                      prompt_logprobs=prompt_logprobs_out(self.token_text, final.prompt_logprobs))
         return json_response(body)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                           params: SamplingParams, top_k: int, plan=None) -> AsyncIterator[str]:
+                           params: SamplingParams, top_k: int, plan=None, prompt_len: int = 0) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
         finished: set[int] = set()
         final: RequestOutput | None = None
         created = int(time.time())
+        num_out = [0] * params.n  # each choice's tokens so far (continuous usage)
 
         def chunk(index: int, delta: DeltaMessage, finish: str | None = None, lp=None, stop_reason=None) -> str:
+            usage = None
+            if req.continuous_usage:
+                done = num_out[index]
+                usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=done, total_tokens=prompt_len + done)
             body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                 choices=[ChatStreamChoice(
-                index=index, delta=delta, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)])
+                index=index, delta=delta, logprobs=lp, finish_reason=finish, stop_reason=stop_reason)], usage=usage)
             return _sse(body.model_dump_json(exclude=exclude))
 
         # The role comes first, at once, as OpenAI does: clients see the stream open before prefill.
@@ -515,10 +537,11 @@ class OpenAIServing:
             for o in out.outputs:
                 if o.index in finished:
                     continue
+                num_out[o.index] = len(o.token_ids)
                 finish = o.finish_reason
                 lp = None
                 if req.logprobs and o.delta_token_ids:
-                    lp = self._chat_logprobs(o.delta_token_ids, o.delta_logprobs or [], top_k)
+                    lp = chat_logprobs(self.token_text, o.delta_token_ids, o.delta_logprobs or [], top_k)
                 if not o.delta_token_ids and finish is None:
                     continue  # a token whose text is still held back is still an event (empty text)
                 if finish is not None:
