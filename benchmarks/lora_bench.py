@@ -19,6 +19,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -109,6 +110,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--adapters-dir", default="/tmp/splitserve-lora-bench")
     ap.add_argument("--cfg-only", action="store_true")
+    ap.add_argument("--child", action="store_true", help="internal: run one configuration, print its times")
     a = ap.parse_args()
     configs = a.configs.split(",")
     num_adapters = 32 if "many" in configs else 1
@@ -121,9 +123,19 @@ def main() -> None:
         adapter = load_adapter(1, "a0", adapters[0], targets, RANK, torch.bfloat16)
         print(f"adapter ok: rank {adapter.rank}, {len(adapter.weights)} modules, {adapter.nbytes() / 2**20:.0f} MiB")
         return
+    if len(configs) == 1 and a.child:
+        times = run_config(configs[0], adapters, a.n, a.repeats, a.input_len, a.output_len, a.max_num_seqs)
+        print("LORA_BENCH_TIMES " + json.dumps(times))
+        return
+    # Each configuration in a process of its own: an engine does not give its GPU memory back
+    # (KV cache, compiled graphs) when it goes out of scope, so a second one in the same process OOMs.
     results = {}
     for name in configs:
-        results[name] = run_config(name, adapters, a.n, a.repeats, a.input_len, a.output_len, a.max_num_seqs)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--configs", name, "--n", str(a.n),
+               "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--repeats", str(a.repeats),
+               "--max-num-seqs", str(a.max_num_seqs), "--adapters-dir", a.adapters_dir]
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+        results[name] = json.loads(out.rsplit("LORA_BENCH_TIMES ", 1)[1].splitlines()[0])
     total = a.n * a.output_len
     base = statistics.median(results["disabled"]) if "disabled" in results else None
     targets = {"unused": 0.97, "one": 0.85, "many": 0.75}
