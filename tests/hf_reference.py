@@ -38,6 +38,18 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, logprobs
 
 
+
+def assert_greedy_like_hf(hf_model, prompts: list[list[int]], outs, max_new_tokens: int, atol: float = 2e-4) -> None:
+    """Each engine output (RequestOutput with logprobs=0) has transformers' greedy tokens for its
+    prompt, and their log-probabilities within atol."""
+    import pytest
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, max_new_tokens)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        got_logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
+        assert got_logprobs == pytest.approx(ref_logprobs, abs=atol)
+
 def e4m3_kv_attention(scales: dict[int, tuple[float, float]] | None = None) -> str:
     """Registers (and names) a transformers attention function that is SDPA over K and V rounded to
     FP8 e4m3 the way an FP8 KV cache stores them: per layer, x / scale in fp32, saturated at +-448,

@@ -6,7 +6,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.models.resolve import load_tokenizer
-from tests.hf_reference import hf_greedy, make_tiny_llama_dir
+from tests.hf_reference import assert_greedy_like_hf, make_tiny_llama_dir
 
 NEW_TOKENS = 32
 
@@ -40,10 +40,5 @@ def test_greedy_parity_with_transformers(case, tokenizer, tmp_path):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     llm = LLM(path, num_blocks=64, max_num_batched_tokens=256)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens
-        got_logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
-        assert got_logprobs == pytest.approx(ref_logprobs, abs=2e-4)
+    assert_greedy_like_hf(hf, prompts, outs, NEW_TOKENS)
     assert llm.engine.kv_manager.pool.is_whole()
