@@ -203,9 +203,9 @@ class CoreWatch:
 def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_addr: str, result_addr: str,
                 parent_pid: int, log_level: int) -> None:
     """Entry point of a worker process (multiprocessing, spawn)."""
-    from splitserve.engine.core_loop import _die_with_parent
     from splitserve.engine.fault_injection import rank_fault
-    _die_with_parent()
+    from splitserve.process_lifetime import die_with_parent
+    die_with_parent()
     if os.getppid() != parent_pid:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides

@@ -11,7 +11,6 @@ and the loop also checks the parent's pid whenever it is idle, so no orphan ever
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ import zmq
 
 from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreReady, EngineCoreOutput,
                                         EngineCoreOutputs, FrontToCore, SchedulerStats, Shutdown)
+from splitserve.process_lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -122,18 +122,9 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
 
 
 # -- the process placement ----------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL to this process when its parent dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the idle check of the parent pid remains
-        pass
-
-
 def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
     """Entry point of the engine core process (multiprocessing, spawn)."""
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
     # SIGINT goes to the whole process group on Ctrl-C; the front decides when the core stops.

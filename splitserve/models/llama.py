@@ -189,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("layers."):
             _, index, rest = name.split(".", 2)
             i = int(index)
+            if i >= self.config.num_hidden_layers:
+                return name  # no stage has it: the loader's error names it
             if not self.start_layer <= i < self.end_layer:
                 return None
             return f"layers.{i - self.start_layer}.{rest}"
