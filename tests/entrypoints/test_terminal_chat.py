@@ -92,9 +92,15 @@ def test_a_second_ctrl_c_while_stopping_quits():
                 os.kill(os.getpid(), signal.SIGINT)
             return EndlessEngine.step(self)
     engine = Twice()
-    with pytest.raises(KeyboardInterrupt):
-        chat_loop(FakeLLM(engine), None, None, lines("hello"), io.StringIO())
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+    # Python's own handler to begin with (a process started in the background by a non-interactive
+    # shell inherits SIGINT ignored, and Python then installs none)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            chat_loop(FakeLLM(engine), None, None, lines("hello"), io.StringIO())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_at_the_prompt_quits():
