@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 
 
@@ -13,3 +14,10 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def flush_and_exit(ctx, code: int) -> None:
+    """Closing a socket only hands its queue to ZeroMQ's I/O thread; terminating the context waits
+    (up to the linger) until the last message - often why this process fails - has left."""
+    ctx.destroy(linger=2000)
+    os._exit(code)  # skip interpreter teardown (CUDA, process groups, compiled graphs): nothing is left

@@ -38,6 +38,7 @@ from splitserve.worker.model_runner import StepResult
 logger = logging.getLogger(__name__)
 
 _WATCH_MS = 100
+_LAST_WORDS_S = 1.0  # how long a dead rank's last message may still be on its way
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -181,6 +182,13 @@ class MultiprocExecutor:
     def _check_procs(self, phase: str) -> None:
         for rank, p in self.procs.items():
             if not p.is_alive():
+                # A rank that failed sends why before it exits, but the message can still be in flight
+                # when the exit is seen: give it a moment so the error names the cause, not the exit code.
+                deadline = time.monotonic() + _LAST_WORDS_S
+                while self.pull.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+                    msg = self._decoder.decode(self.pull.recv())
+                    if isinstance(msg, (RankFailed, RankLost)):
+                        self._unexpected(msg, phase)
                 raise RuntimeError(f"{describe_exit(rank, p.exitcode)} during {phase}")
 
     def _wait_subscribers(self, deadline: float) -> None:

@@ -204,7 +204,7 @@ def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_a
                 parent_pid: int, log_level: int) -> None:
     """Entry point of a worker process (multiprocessing, spawn)."""
     from splitserve.engine.fault_injection import rank_fault
-    from splitserve.process_lifetime import die_with_parent
+    from splitserve.process_lifetime import die_with_parent, flush_and_exit
     die_with_parent()
     if os.getppid() != parent_pid:
         os._exit(1)
@@ -222,8 +222,7 @@ def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_a
     except BaseException as e:
         logger.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
         push.send(encode(RankFailed(rank, describe_startup_error(e, rank, device), startup=True)))
-        push.close(linger=2000)
-        os._exit(1)
+        flush_and_exit(ctx, 1)
     push.send(encode(RankBlocks(rank, worker.num_blocks)))
     code = 0
     try:
@@ -251,5 +250,4 @@ def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_a
         logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
         push.send(encode(RankFailed(rank, f"rank {rank} ({device}) failed: {type(e).__name__}: {e}")))
         code = 1
-    push.close(linger=2000)
-    os._exit(code)  # skip interpreter teardown (CUDA, process groups): nothing is left to save
+    flush_and_exit(ctx, code)

@@ -21,7 +21,7 @@ import zmq
 
 from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreReady, EngineCoreOutput,
                                         EngineCoreOutputs, FrontToCore, SchedulerStats, Shutdown)
-from splitserve.process_lifetime import die_with_parent
+from splitserve.process_lifetime import die_with_parent, flush_and_exit
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +140,11 @@ def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, 
     except BaseException as e:
         logger.exception("engine core start-up failed")
         out.send(ready.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")))
-        out.close(linger=2000)
-        os._exit(1)
+        flush_and_exit(ctx, 1)
     out.send(ready.encode(CoreReady(core.num_blocks, core.config.cache.block_size)))
     try:
         code = run_core_loop(core, inp, out, parent_pid)
     finally:
         core.shutdown()  # the worker processes of a multi-rank engine
-    out.close(linger=2000)
     inp.close(linger=0)
-    os._exit(code)  # skip interpreter teardown (CUDA, compiled graphs): nothing is left to save
+    flush_and_exit(ctx, code)
