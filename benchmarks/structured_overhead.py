@@ -3,7 +3,7 @@ constrained by a JSON schema.
 
     python benchmarks/structured_overhead.py                          # default model, CPU-sized run
     python benchmarks/structured_overhead.py --model <dir> --num-prompts 1024 --input-len 256 \\
-        --output-len 256 --fraction 0.25                               # the GPU run for BENCHMARKS.md
+        --output-len 256 --fraction 0.25 --random-weights              # the GPU run for BENCHMARKS.md
 
 Every request generates exactly --output-len tokens, so the runs do the same model work: plain
 requests ignore EOS, and constrained ones follow a schema (an array of at least 200 short strings)
@@ -54,10 +54,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--random-weights", action="store_true", help="--model is a config directory (no weights)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = ap.parse_args()
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, async_scheduling=args.async_scheduling)
+    extra = dict(random_weights=True, dtype="bfloat16", max_model_len=4096) if args.random_weights else {}
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, async_scheduling=args.async_scheduling, **extra)
     results = {}
     for fraction in (0.0, args.fraction):
         prompts, params = build_requests(llm, args, fraction)
