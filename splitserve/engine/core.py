@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ from splitserve.attention.layer import kv_free_window
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
-from splitserve.core.sched_output import GrammarBitmask, SchedulerOutput
+from splitserve.core.sched_output import GrammarBitmask
 from splitserve.core.scheduler import Scheduler
 from splitserve.distributed.worker_messages import RanksLostError
 from splitserve.engine.fault_injection import install_step_faults
@@ -172,8 +171,6 @@ class EngineCore:
         # worker processes get them in the step message.
         self._masks_after_launch = args.world_size == 1
         self._inflight = None  # the launched step whose results are not processed yet
-        self._mask_pool: ThreadPoolExecutor | None = None
-        self._mask_fill: Future | None = None  # the grammar masks of _inflight, when it awaits them
         self._failed_steps_in_a_row = 0
         self.num_received = 0
         self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
@@ -259,9 +256,7 @@ class EngineCore:
                 raise EngineDeadError(str(exc), process_lost=True) from exc
 
     def shutdown(self) -> None:
-        """Stops the worker processes (world size > 1) and the mask-filling thread."""
-        if self._mask_pool is not None:
-            self._mask_pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the worker processes (world size > 1); nothing to do in one process."""
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -290,7 +285,7 @@ class EngineCore:
 
     def reset_inflight(self) -> None:
         """Forgets the step in flight (after a failure that ended all of its requests)."""
-        self._inflight = self._mask_fill = None
+        self._inflight = None
         self.scheduler.forget_steps()
         self._flush_removals()
 
@@ -327,9 +322,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
-            inflight = self._sampled(inflight, outputs)
-            if inflight is not None:
-                outputs += self._process(inflight)
+            outputs += self._process(inflight)
             inflight = None
         if self.structured.live:
             outputs += self._fail_grammars()
@@ -349,15 +342,6 @@ class EngineCore:
                 # (a step where they sampled is collected before this one is scheduled).
                 sched.grammar = GrammarBitmask([r.request_id for r in constrained],
                                                self.structured.fill_bitmask(constrained))
-        if inflight is not None and inflight.awaiting_mask is not None:
-            # Its sampler is enqueued before this step's inputs read its tokens (scheduling this step
-            # overlapped the fill of its masks).
-            inflight = self._sampled(inflight, outputs)
-            if inflight is None and not sched.is_empty:  # this step expects its tokens: it fails too
-                outputs += self._fail_step(sched, RuntimeError("the step before could not sample"),
-                                           launched=False)
-                sched = SchedulerOutput()  # (its removals go with the next message)
-        if not sched.is_empty:
             try:
                 launched = self.runner.launch(sched, inflight)
             except RanksLostError as exc:
@@ -378,31 +362,23 @@ class EngineCore:
         if inflight is not None:
             outputs += self._process(inflight)
         if self._inflight is not None and self._inflight.awaiting_mask is not None:
-            # The masks fill on a thread (xgrammar lets go of the GIL) while this thread hands out
-            # the outputs and schedules the next step; its launch waits for them (`_sampled`).
-            if self._mask_pool is None:
-                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-masks")
-            self._mask_fill = self._mask_pool.submit(self.structured.fill_bitmask, constrained)
-            if not self.async_scheduling:
-                self._inflight = self._sampled(self._inflight, outputs)
+            outputs += self._sample_constrained(constrained)
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
         self._flush_removals()
         return outputs
 
-    def _sampled(self, step, outputs: list[EngineCoreOutput]):
-        """The step with its sampler enqueued: one launched without its grammar masks gets them
-        from the fill thread first. None if that failed (its requests failed, in `outputs`)."""
-        if step.awaiting_mask is None:
-            return step
-        fill, self._mask_fill = self._mask_fill, None
+    def _sample_constrained(self, constrained: list) -> list[EngineCoreOutput]:
+        """Fills the launched step's grammar masks (the device is running its forward) and enqueues
+        its sampler."""
+        launched = self._inflight
         try:
-            self.runner.sample(step, fill.result())
+            self.runner.sample(launched, self.structured.fill_bitmask(constrained))
         except Exception as exc:
-            outputs += self._fail_step(step.sched, exc)
-            return None
-        return step
+            self._inflight = None
+            return self._fail_step(launched.sched, exc)
+        return []
 
     def _fail_grammars(self) -> list[EngineCoreOutput]:
         """Ends the requests whose grammar failed to compile (the front checks grammars, so this is

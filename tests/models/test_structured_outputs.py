@@ -226,10 +226,9 @@ def test_padding_ids_of_a_wider_vocabulary_are_never_sampled(tmp_path):
 
 
 def test_a_sampler_that_fails_after_the_masks_fails_its_step_only(llm):
-    """Async scheduling: the masks of a launched step come from a thread and its sampler is enqueued
-    afterwards. When that sampler raises once, the requests of that step (and of the step scheduled
-    behind it, which expected its tokens) end with an error; later requests run normally and the
-    pool, the worker's batch and the grammar state end whole."""
+    """Async scheduling: a launched step gets its masks after its forward and its sampler is enqueued
+    afterwards. When that sampler raises once, the requests of that step end with an error; later
+    requests run normally and the pool, the worker's batch and the grammar state end whole."""
     overlapped = LLM(num_blocks=1024, async_scheduling=True)
     runner = overlapped.engine.runner
     real_sample, calls = runner.sample, []
