@@ -135,19 +135,21 @@ def _check_refused(config, family: Family, model_type: str) -> None:
         if not ok(value, config):
             raise ValueError(f"{model_type} config field {name}={value!r} is not supported ({what}); "
                              f"refusing to load a model that would compute something else")
-    # A family's own optional features, set in a config of a family that does not read them.
+    # A family's own optional features, set in a config of a family that does not read them: each
+    # field with the values that leave the math alone.
+    one, off = (None, 1, 1.0), (None, False, 0, 0.0)
     foreign = {
-        "query_pre_attn_scalar": family.scale != "query_pre_attn_scalar",
-        "attention_multiplier": family.scale != "attention_multiplier",
-        "embedding_multiplier": family.embed_scale != "embedding_multiplier",
-        "residual_multiplier": not family.multipliers, "logits_scaling": not family.multipliers,
-        "attn_logit_softcapping": not family.soft_caps, "final_logit_softcapping": not family.soft_caps,
-        "qk_layernorm": family.qk_norm is None, "use_qk_norm": True,
-        "num_local_experts": family.mlp != "moe", "num_experts": family.mlp != "moe",
+        "query_pre_attn_scalar": (family.scale != "query_pre_attn_scalar", (None,)),
+        "attention_multiplier": (family.scale != "attention_multiplier", one),
+        "embedding_multiplier": (family.embed_scale != "embedding_multiplier", one),
+        "residual_multiplier": (not family.multipliers, one), "logits_scaling": (not family.multipliers, one),
+        "attn_logit_softcapping": (not family.soft_caps, off), "final_logit_softcapping": (not family.soft_caps, off),
+        "qk_layernorm": (family.qk_norm is None, off), "use_qk_norm": (True, off),
+        "num_local_experts": (family.mlp != "moe", off), "num_experts": (family.mlp != "moe", off),
     }
-    for name, unread in foreign.items():
+    for name, (unread, neutral) in foreign.items():
         value = getattr(config, name, None)
-        if unread and value not in (None, False, 1, 1.0, 0):
+        if unread and not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
             raise ValueError(f"{model_type} config field {name}={value!r} is not supported for this family; "
                              f"refusing to ignore it")
 
