@@ -254,7 +254,7 @@ class DecoderForCausalLM(nn.Module):
                                 if pp.is_first and offset is not None else None)
         # Gemma multiplies the embedding by sqrt(hidden) rounded to the model's dtype first.
         self.embed_scale = (None if spec.embed_scale is None
-                            else float(torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype())))
+                            else float(torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype(), device="cpu")))
         self.embedding_multiplier = spec.embedding_multiplier
         rotary = None if spec.rope is None else RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope)
         # Layer i of the checkpoint is this stage's layer i - start_layer (its KV cache's index).
