@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from splitserve.attention.layer import kv_free_window
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
+from splitserve.core.sched_output import GrammarBitmask, SchedulerOutput
 from splitserve.core.scheduler import Scheduler
 from splitserve.distributed.worker_messages import RanksLostError
 from splitserve.engine.fault_injection import install_step_faults
@@ -166,7 +168,12 @@ class EngineCore:
                                                   lambda: _core_tokenizer(spec, args.random_weights))
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        # A runner in this process takes a step's grammar masks after its launch (ModelRunner.sample);
+        # worker processes get them in the step message.
+        self._masks_after_launch = args.world_size == 1
         self._inflight = None  # the launched step whose results are not processed yet
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._mask_fill: Future | None = None  # the grammar masks of _inflight, when it awaits them
         self._failed_steps_in_a_row = 0
         self.num_received = 0
         self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
@@ -253,7 +260,9 @@ class EngineCore:
                 raise EngineDeadError(str(exc), process_lost=True) from exc
 
     def shutdown(self) -> None:
-        """Stops the worker processes (world size > 1); nothing to do in one process."""
+        """Stops the worker processes (world size > 1) and the mask-filling thread."""
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False, cancel_futures=True)
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -282,7 +291,7 @@ class EngineCore:
 
     def reset_inflight(self) -> None:
         """Forgets the step in flight (after a failure that ended all of its requests)."""
-        self._inflight = None
+        self._inflight = self._mask_fill = None
         self.scheduler.forget_steps()
         self._flush_removals()
 
@@ -319,7 +328,9 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
-            outputs += self._process(inflight)
+            inflight = self._sampled(inflight, outputs)
+            if inflight is not None:
+                outputs += self._process(inflight)
             inflight = None
         if self.structured.live:
             outputs += self._fail_grammars()
@@ -327,10 +338,27 @@ class EngineCore:
             outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
+        constrained = []
         if not sched.is_empty:
-            # Masks of the constrained requests that sample: their matchers have seen every token
-            # (a step where they sampled is collected before this one is scheduled).
-            sched.grammar = self.structured.step_bitmask(sched, self.scheduler.samples_after)
+            constrained = self.structured.sampling_requests(sched, self.scheduler.samples_after)
+            if constrained and self._masks_after_launch:
+                # Rows now, masks once the forward is enqueued and the step in flight has been taken in
+                # (its tokens advance the matchers): filling them overlaps the device's forward.
+                sched.grammar = GrammarBitmask([r.request_id for r in constrained])
+            elif constrained:
+                # Worker processes get the masks with the step: their matchers have seen every token
+                # (a step where they sampled is collected before this one is scheduled).
+                sched.grammar = GrammarBitmask([r.request_id for r in constrained],
+                                               self.structured.fill_bitmask(constrained))
+        if inflight is not None and inflight.awaiting_mask is not None:
+            # Its sampler is enqueued before this step's inputs read its tokens (scheduling this step
+            # overlapped the fill of its masks).
+            inflight = self._sampled(inflight, outputs)
+            if inflight is None and not sched.is_empty:  # this step expects its tokens: it fails too
+                outputs += self._fail_step(sched, RuntimeError("the step before could not sample"),
+                                           launched=False)
+                sched = SchedulerOutput()  # (its removals go with the next message)
+        if not sched.is_empty:
             try:
                 launched = self.runner.launch(sched, inflight)
             except RanksLostError as exc:
@@ -350,11 +378,32 @@ class EngineCore:
             self.lora.wait_for_loads(_COMPILE_WAIT_S)  # or for an adapter to load
         if inflight is not None:
             outputs += self._process(inflight)
+        if self._inflight is not None and self._inflight.awaiting_mask is not None:
+            # The masks fill on a thread (xgrammar lets go of the GIL) while this thread hands out
+            # the outputs and schedules the next step; its launch waits for them (`_sampled`).
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-masks")
+            self._mask_fill = self._mask_pool.submit(self.structured.fill_bitmask, constrained)
+            if not self.async_scheduling:
+                self._inflight = self._sampled(self._inflight, outputs)
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
         self._flush_removals()
         return outputs
+
+    def _sampled(self, step, outputs: list[EngineCoreOutput]):
+        """The step with its sampler enqueued: one launched without its grammar masks gets them
+        from the fill thread first. None if that failed (its requests failed, in `outputs`)."""
+        if step.awaiting_mask is None:
+            return step
+        fill, self._mask_fill = self._mask_fill, None
+        try:
+            self.runner.sample(step, fill.result())
+        except Exception as exc:
+            outputs += self._fail_step(step.sched, exc)
+            return None
+        return step
 
     def _fail_grammars(self) -> list[EngineCoreOutput]:
         """Ends the requests whose grammar failed to compile (the front checks grammars, so this is
