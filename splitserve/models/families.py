@@ -114,7 +114,8 @@ def _is(value, *allowed) -> bool:
 
 # Config fields that change the math and that the decoder does not implement: field -> (the test
 # its value must pass, what it would need). Checked for every family (a field a family's config
-# lacks is absent, so passes).
+# lacks is absent, so passes). Not here: training-only fields (dropouts, router noise, aux losses)
+# and Llama's pretraining_tp (the same products sliced differently; transformers ignores it too).
 _REFUSED = {
     "use_parallel_residual": (lambda v, c: not v, "attention and MLP in parallel from one norm"),
     "do_layer_norm_before": (lambda v, c: v is None or v, "post-norm layers (OPT-350m)"),
@@ -124,7 +125,6 @@ _REFUSED = {
     "use_bidirectional_attention": (lambda v, c: not v, "bidirectional attention"),
     "attention_chunk_size": (lambda v, c: v is None, "chunked local attention"),
     "no_rope_layers": (lambda v, c: not v or all(v), "layers without RoPE"),
-    "pretraining_tp": (lambda v, c: _is(v, 1, 0), "tensor-parallel pretraining slices"),
     "layer_types": (lambda v, c: not v or set(v) <= {"sliding_attention", "full_attention"}, "other attention types"),
 }
 
