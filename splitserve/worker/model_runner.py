@@ -79,9 +79,10 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Piecewise graphs need the text model's structure: embed, layers split at attention, norm."""
+    """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm."""
     layers = getattr(model, "layers", None)
-    return bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
+    return (bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
+            and hasattr(model, "start"))
 
 
 def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
