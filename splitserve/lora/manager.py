@@ -162,4 +162,7 @@ def build_lora(args, hf_config, dtype: torch.dtype, model):
         raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras ({args.max_loras})")
     manager = LoRAManager(LoRATargets.from_hf_config(hf_config), args.max_loras, args.max_lora_rank,
                           args.max_cpu_loras, dtype)
-    return manager, LoRAWorker(attach_lora(model, args.max_loras, args.max_lora_rank), manager.host_adapter)
+    # The layout covers a step's token budget and a decode graph's padded batch (at most max_num_seqs).
+    max_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    lora_model = attach_lora(model, args.max_loras, args.max_lora_rank, max_tokens)
+    return manager, LoRAWorker(lora_model, manager.host_adapter)
