@@ -94,10 +94,11 @@ class LoRALinear(nn.Module):
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Host -> device without waiting: a copy from pageable memory would synchronise the stream (and
-    stall the steps in flight) once per tensor. The pinned copy is kept by torch's host allocator
-    until the transfer is done."""
+    stall the steps in flight) once per tensor. The manager's adapters are pinned on the loader
+    thread already; anything else is pinned here (torch's host allocator keeps that copy until the
+    transfer is done)."""
     if dst.is_cuda and src.device.type == "cpu":
-        dst.copy_(src.pin_memory(), non_blocking=True)
+        dst.copy_(src if src.is_pinned() else src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
 
