@@ -106,7 +106,7 @@ def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, num_tiles_ptr, tile_slots_ptr,
 def shrink_split(K: int, grid_tiles: int) -> int:
     """K parts of the shrink: a step of few tokens still spreads over the GPU (its rank gives one
     output block per tile); many tokens need no split (and expand then reads one partial)."""
-    return max(1, min(16, K // 512, 128 // grid_tiles))
+    return max(1, min(16, K // 512, 256 // grid_tiles))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, tile_slots: torch.Tensor,

@@ -90,7 +90,7 @@ def test_triton_kernels_match_the_definition(T, pad, in_f, shards, R, S, dtype, 
 
 def test_split_k_partials_are_summed():
     assert kernels.shrink_split(1100, 1) == 2 and kernels.shrink_split(4096, 2) == 8
-    assert kernels.shrink_split(4096, 200) == 1  # many tokens: no split
+    assert kernels.shrink_split(4096, 300) == 1  # many tokens: no split
 
 
 def test_every_slot_with_one_token_fills_the_tile_bound(gen):
