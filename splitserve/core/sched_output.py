@@ -17,7 +17,8 @@ recomputes the rest from the tokens it holds.
 
 Structured outputs: when constrained requests sample in a step, `grammar` carries one token bitmask
 row per such request (bit t of a row: token t is allowed), filled by the core from their grammar
-matchers; the worker masks those rows' logits on the device. None in every other step.
+matchers; the worker masks those rows' logits on the device. None in every other step. A runner in the
+core's own process gets the rows first and the masks after the forward is enqueued (see GrammarBitmask).
 
 The worker applies a message in this order: finished, preempted, new, resumed, block additions; then
 runs `num_scheduled_tokens`. Removals are idempotent (an unknown id is ignored), so a message whose
@@ -60,9 +61,11 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
 class GrammarBitmask(msgspec.Struct, array_like=True):
     """Allowed next tokens of the constrained requests that sample this step: row i of `bitmask`
-    ([len(req_ids), ceil(vocab / 32)] int32, bit t % 32 of word t // 32) belongs to req_ids[i]."""
+    ([len(req_ids), ceil(vocab / 32)] int32, bit t % 32 of word t // 32) belongs to req_ids[i].
+    bitmask None: the masks follow the launch (`ModelRunner.sample`, a runner in the core's process),
+    filled while the device runs the forward. Messages to worker processes always carry them."""
     req_ids: list[str]
-    bitmask: torch.Tensor
+    bitmask: torch.Tensor | None = None
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

@@ -19,6 +19,7 @@ from splitserve.attention.layer import kv_free_window
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
+from splitserve.core.sched_output import GrammarBitmask
 from splitserve.core.scheduler import Scheduler
 from splitserve.distributed.worker_messages import RanksLostError
 from splitserve.engine.fault_injection import install_step_faults
@@ -166,6 +167,9 @@ class EngineCore:
                                                   lambda: _core_tokenizer(spec, args.random_weights))
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        # A runner in this process takes a step's grammar masks after its launch (ModelRunner.sample);
+        # worker processes get them in the step message.
+        self._masks_after_launch = args.world_size == 1
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
         self.num_received = 0
@@ -326,10 +330,18 @@ class EngineCore:
             outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
+        constrained = []
         if not sched.is_empty:
-            # Masks of the constrained requests that sample: their matchers have seen every token
-            # (a step where they sampled is collected before this one is scheduled).
-            sched.grammar = self.structured.step_bitmask(sched, self.scheduler.samples_after)
+            constrained = self.structured.sampling_requests(sched, self.scheduler.samples_after)
+            if constrained and self._masks_after_launch:
+                # Rows now, masks once the forward is enqueued and the step in flight has been taken in
+                # (its tokens advance the matchers): filling them overlaps the device's forward.
+                sched.grammar = GrammarBitmask([r.request_id for r in constrained])
+            elif constrained:
+                # Worker processes get the masks with the step: their matchers have seen every token
+                # (a step where they sampled is collected before this one is scheduled).
+                sched.grammar = GrammarBitmask([r.request_id for r in constrained],
+                                               self.structured.fill_bitmask(constrained))
             try:
                 launched = self.runner.launch(sched, inflight)
             except RanksLostError as exc:
@@ -349,11 +361,24 @@ class EngineCore:
             self.lora.wait_for_loads(_COMPILE_WAIT_S)  # or for an adapter to load
         if inflight is not None:
             outputs += self._process(inflight)
+        if self._inflight is not None and self._inflight.awaiting_mask is not None:
+            outputs += self._sample_constrained(constrained)
         if self._inflight is not None and not self.async_scheduling:
             outputs += self._process(self._inflight)
             self._inflight = None
         self._flush_removals()
         return outputs
+
+    def _sample_constrained(self, constrained: list) -> list[EngineCoreOutput]:
+        """Fills the launched step's grammar masks (the device is running its forward) and enqueues
+        its sampler."""
+        launched = self._inflight
+        try:
+            self.runner.sample(launched, self.structured.fill_bitmask(constrained))
+        except Exception as exc:
+            self._inflight = None
+            return self._fail_step(launched.sched, exc)
+        return []
 
     def _fail_grammars(self) -> list[EngineCoreOutput]:
         """Ends the requests whose grammar failed to compile (the front checks grammars, so this is

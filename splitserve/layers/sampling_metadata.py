@@ -61,6 +61,9 @@ class SamplingMetadata:
     # int32 on the host; bit t % 32 of word t // 32 set: token t allowed).
     grammar_rows: np.ndarray | None = None    # [G] int64
     grammar_bitmask: torch.Tensor | None = None
+    # The bitmask arrived after the step's forward was launched (the engine core fills it while the
+    # device runs the model, having taken in the tokens of the step before first).
+    grammar_after_launch: bool = False
     # Rows whose sampling reads earlier tokens on the host (bad words of several tokens).
     reads_history: bool = False
 
@@ -71,5 +74,7 @@ class SamplingMetadata:
     @property
     def needs_host_tokens(self) -> bool:
         """The next step must not be launched before this one's tokens are on the host: penalties and
-        bad words read them, and a grammar's next mask needs them."""
-        return bool(self.penalties) or self.reads_history or self.grammar_rows is not None
+        bad words read them, and a grammar's next mask needs them (unless the core fills masks after
+        launching: it takes in the tokens it waits for before it fills the next one)."""
+        return (bool(self.penalties) or self.reads_history
+                or (self.grammar_rows is not None and not self.grammar_after_launch))

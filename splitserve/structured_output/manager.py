@@ -6,17 +6,20 @@
   constraint key (kind, spec, options), so a schema that many requests share compiles once; a
   request whose grammar is still compiling waits in the queue without holding anyone back
   (`is_ready`, read by the scheduler's admission).
-- **Matchers**: each constrained request owns an xgrammar matcher. Before a step is launched the
-  core asks for the token bitmask of the constrained requests that sample in it (`step_bitmask`):
-  one int32 row of ceil(vocab / 32) words per request, carried to the worker in the step message;
-  the worker masks their logits on the device. A step without constrained requests costs one
-  emptiness test here and nothing on the device.
+- **Matchers**: each constrained request owns an xgrammar matcher. For each step the core asks
+  which constrained requests sample in it (`sampling_requests`) and for their token bitmask
+  (`fill_bitmask`): one int32 row of ceil(vocab / 32) words per request; the worker masks their
+  logits on the device. A step without constrained requests costs one emptiness test here and
+  nothing on the device.
 - **Accepting**: the scheduler feeds each sampled token to its request's matcher (`accept_token`);
   a grammar that has reached its end (the matcher accepted a stop token) ends the request.
 
-The mask of a step needs the tokens of the step before it: a step in which constrained requests
-sample is collected before the next one is scheduled (the worker marks it `needs_sync`), so async
-scheduling never asks for a mask past a pending token.
+The mask of a step needs the tokens of the step before it. With the runner in the core's process the
+core launches the step's forward first, takes in the tokens of the step in flight (advancing the
+matchers), then fills the masks while the device computes, and enqueues the sampler last (a fill of
+~0.1-0.4 ms per request hides behind the forward; async scheduling stays on). Worker processes get
+the masks inside the step message: there a step in which constrained requests sample is collected
+before the next one is scheduled (`needs_sync`).
 """
 from __future__ import annotations
 
@@ -148,29 +151,47 @@ class StructuredOutputManager:
             futures_wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     # -- steps -----------------------------------------------------------------------------------
-    def step_bitmask(self, sched, sampling: Callable[[object, int], bool]) -> GrammarBitmask | None:
-        """The bitmask rows of the constrained requests that sample in this step (None if none do).
+    def sampling_requests(self, sched, sampling: Callable[[object, int], bool]) -> list:
+        """The constrained requests (compiled) that sample in this step, in no particular order.
         sampling(request, num_scheduled_tokens) says whether a scheduled request samples."""
         if not self.live:
-            return None
+            return []
         num_tokens = sched.num_scheduled_tokens
         requests = []
         for request in self.live.values():
             n = num_tokens.get(request.request_id)
             if n and request.grammar.matcher is not None and sampling(request, n):
                 requests.append(request)
-        if not requests:
-            return None
+        return requests
+
+    def fill_bitmask(self, requests: list) -> torch.Tensor:
+        """Their next-token masks, row i for requests[i]. A request that ended since it was scheduled
+        (its last token finished it, or it was aborted) gets an all-allowed row: what it samples in
+        this step is discarded."""
         bitmask = torch.empty((len(requests), self.bitmask_words), dtype=torch.int32)
-        matchers = [r.grammar.matcher for r in requests]
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, 0)
-        else:
+        rows, matchers = [], []
+        for i, request in enumerate(requests):
+            if request.is_finished or request.grammar.matcher.is_terminated():
+                bitmask[i] = -1
+            else:
+                rows.append(i)
+                matchers.append(request.grammar.matcher)
+        if len(matchers) == len(requests) and len(matchers) > 1:
             if self._batch_matcher is None:
                 import xgrammar as xgr
                 self._batch_matcher = xgr.BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
-        return GrammarBitmask([r.request_id for r in requests], bitmask)
+        else:
+            for i, matcher in zip(rows, matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def step_bitmask(self, sched, sampling: Callable[[object, int], bool]) -> GrammarBitmask | None:
+        """The bitmask rows of the constrained requests that sample in this step (None if none do)."""
+        requests = self.sampling_requests(sched, sampling)
+        if not requests:
+            return None
+        return GrammarBitmask([r.request_id for r in requests], self.fill_bitmask(requests))
 
     def accept_token(self, request, token: int) -> bool:
         """Advances the request's matcher; True when the request must end here (its grammar reached

@@ -61,6 +61,8 @@ class InFlightStep:
     host: tuple = ()  # (token ids, logprobs, logprob ids, ranks) on the host, copied without blocking
     done: torch.cuda.Event | None = None
     needs_sync: bool = False  # the next step must see these tokens on the host (penalties, grammars)
+    # (logits, sampling metadata) of a step whose grammar masks come after the forward (`sample`)
+    awaiting_mask: tuple | None = None
     # prompt_logprobs: the plan and (values, ids, ranks) on the host, copied without blocking
     prompt_logprobs: tuple[PromptLogprobsPlan, tuple] | None = None
 
@@ -394,21 +396,41 @@ class ModelRunner:
                                     tuple(x.to("cpu", non_blocking=True) for x in batch.prompt_logprobs_out))
         elif logits is None:
             return step
+        if logits is not None and sched.grammar is not None and sched.grammar.bitmask is None:
+            step.awaiting_mask = (logits, batch.sampling_metadata)  # `sample` finishes the step
+            return step
         if logits is not None:
-            out = self.sampler(logits, batch.sampling_metadata)
-            step.token_ids = out.token_ids
-            step.needs_sync = out.needs_host_tokens
-            # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
-            step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
-                              for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
+            self._sample(step, logits, batch.sampling_metadata)
+        self._record_done(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: InFlightStep, bitmask: torch.Tensor) -> None:
+        """Finishes a step launched without its grammar masks (`GrammarBitmask.bitmask` None): the
+        core fills them while the device runs the forward, then the sampler is enqueued here."""
+        logits, meta = step.awaiting_mask
+        step.awaiting_mask = None
+        meta.grammar_bitmask, meta.grammar_after_launch = bitmask, True
+        self._sample(step, logits, meta)
+        self._record_done(step)
+
+    def _sample(self, step: InFlightStep, logits: torch.Tensor, meta) -> None:
+        out = self.sampler(logits, meta)
+        step.token_ids = out.token_ids
+        step.needs_sync = out.needs_host_tokens
+        # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
+        step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
+                          for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
+
+    def _record_done(self, step: InFlightStep) -> None:
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
-        return step
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Waits for a launched step, records its sampled tokens in the persistent batch and returns
         them (and logprobs) by request id."""
+        assert step.awaiting_mask is None, "a step collected before its grammar masks were given"
         if step.token_ids is None and step.prompt_logprobs is None:
             return StepResult({}, {})
         if step.done is not None:

@@ -81,3 +81,25 @@ def test_equal_constraints_share_one_compile_and_failures_are_reported(tokenizer
     manager.release(a)
     manager.release(b)
     assert not manager.live
+
+
+def test_rows_of_requests_that_ended_since_scheduling_allow_everything(tokenizer):
+    """With masks filled after the launch, a request scheduled in the step may have ended meanwhile
+    (its grammar completed, or it was aborted): its row allows every id (the token is discarded);
+    the others get their grammar's mask, in the batch fill and one by one alike."""
+    from splitserve.request import RequestStatus
+    vocab = len(tokenizer)
+    manager = StructuredOutputManager(vocab, (2,), lambda: tokenizer)
+    done, aborted, live = request("done", regex="[0-9]"), request("ab", regex="[0-9]"), request("live", regex="[0-9]")
+    for r in (done, aborted, live):
+        manager.register(r)
+        wait_ready(manager, r)
+    seven = tokenizer.encode("7", add_special_tokens=False)[0]
+    assert not manager.accept_token(done, seven) and manager.accept_token(done, 2)  # grammar complete
+    aborted.status = RequestStatus.FINISHED_ABORTED
+    digits = allowed(manager.fill_bitmask([live])[0], vocab)
+    assert seven in digits and len(digits) < 20
+    for order in ([done, aborted, live], [live, done], [aborted]):
+        bitmask = manager.fill_bitmask(order)
+        for row, r in zip(bitmask, order):
+            assert allowed(row, vocab) == (digits if r is live else set(range(vocab)))
