@@ -66,8 +66,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, num_tiles_ptr, tile_slots_ptr, t
 
 @triton.jit
 def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, num_tiles_ptr, tile_slots_ptr, token_rows_ptr,
-                        N0, N1, N2, P1, P2, N_ITERS, stride_ps, stride_pm, stride_bs, stride_bn, stride_om,
-                        RANK: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+                        N0, N1, N2, P1, P2, N_ITERS, SPLIT_K, stride_ps, stride_pm, stride_bs, stride_bn,
+                        stride_om, RANK: tl.constexpr, R_PAD: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     tile = tl.program_id(1)
@@ -86,7 +86,7 @@ def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, num_tiles_ptr, tile_slots_ptr,
         offs_r = tl.arange(0, R_PAD)
         mask_r = offs_r < RANK
         y = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-        for k in tl.static_range(SPLIT_K):
+        for k in range(SPLIT_K):  # a runtime count: one compiled variant for every split
             y += tl.load(part_ptr + k * stride_ps + offs_p[:, None] * stride_pm + (shard * RANK + offs_r)[None, :],
                          mask=mask_r[None, :], other=0.0)
         b_base = b_ptr + slot * stride_bs
@@ -148,6 +148,6 @@ def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, nu
     p2 = programs[0] + programs[1] if len(programs) > 2 else _NO_SHARD
     grid = (sum(programs), grid_tiles)
     _lora_expand_kernel[grid](part, lora_b, out, num_tiles, tile_slots, token_rows, sizes[0], sizes[1], sizes[2],
-                              p1, p2, n_iters, part.stride(0), part.stride(1), lora_b.stride(0), lora_b.stride(1),
-                              out.stride(0), RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
-                              SPLIT_K=split_k, BLOCK_M=TILE, BLOCK_N=BLOCK_N, num_warps=4)
+                              p1, p2, n_iters, split_k, part.stride(0), part.stride(1), lora_b.stride(0),
+                              lora_b.stride(1), out.stride(0), RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
+                              BLOCK_M=TILE, BLOCK_N=BLOCK_N, num_warps=4)

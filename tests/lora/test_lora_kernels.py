@@ -88,7 +88,7 @@ def test_triton_kernels_match_the_definition(T, pad, in_f, shards, R, S, dtype, 
     check_delta(x, a, b, shards, R, token_slots(T, S, gen), True, tol, gen)
 
 
-def test_split_k_partials_are_summed():
+def test_shrink_splits_k_only_for_few_tiles():
     assert kernels.shrink_split(1100, 1) == 2 and kernels.shrink_split(4096, 2) == 8
     assert kernels.shrink_split(4096, 300) == 1  # many tokens: no split
 
