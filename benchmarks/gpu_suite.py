@@ -3,11 +3,14 @@
     python benchmarks/gpu_suite.py --check [--tokenizer-dir DIR]  # greedy tokens: fast path vs torch_ref
     python benchmarks/gpu_suite.py --bench decode,prefill,tp128,tp1024 [--repeats 3] [--quantization fp8]
     ... [--tensor-parallel-size 2] [--config benchmarks/configs/llama3-70b]  # several GPUs, another shape
+    ... --config benchmarks/configs/qwen3-8b  # another family (gemma2-9b; mixtral-8x7b needs an H200)
     ... [--kv-cache-dtype fp8]  # both: an FP8 KV cache (the check's torch_ref reference uses one too)
 
-Benchmarks use the Llama-3-8B-shaped config in benchmarks/configs/llama3-8b with random bf16 weights,
-token-id prompts and ignore_eos (fixed output lengths); a fresh prompt seed per run so nothing hits the
-prefix cache. Prints a table last.
+Benchmarks use the Llama-3-8B-shaped config in benchmarks/configs/llama3-8b (or --config) with random
+bf16 weights, token-id prompts and ignore_eos (fixed output lengths); a fresh prompt seed per run so
+nothing hits the prefix cache. The tokenizer is the config directory's own, else --tokenizer (default
+.devcarry/llama3-8b); a model vocabulary larger than the tokenizer's is fine with token-id prompts.
+Prints a table last.
 """
 from __future__ import annotations
 
@@ -71,13 +74,23 @@ def check(tokenizer_dir: str, kv_cache_dtype: str = "auto", quantization: str | 
         torch.cuda.empty_cache()
 
 
+def bench_tokenizer(config: str, fallback: str) -> str | None:
+    """The config directory's tokenizer if it has one, else the fallback directory."""
+    if any(os.path.exists(os.path.join(config, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    if not os.path.isdir(fallback):
+        raise SystemExit(f"{config} has no tokenizer and --tokenizer {fallback} is not a directory")
+    return fallback
+
+
 def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tokens: int,
           kv_cache_dtype: str = "auto", quantization: str | None = None, config: str = CONFIG_8B,
-          tensor_parallel_size: int = 1) -> None:
+          tensor_parallel_size: int = 1, tokenizer: str = ".devcarry/llama3-8b") -> None:
     t0 = time.perf_counter()
     llm = LLM(config, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization, tensor_parallel_size=tensor_parallel_size)
+              quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+              tokenizer=bench_tokenizer(config, tokenizer))
     rows.append(("model, ranks", f"{os.path.basename(os.path.normpath(config))}, tensor_parallel_size {tensor_parallel_size}"))
     rows.append(("quantization", llm.engine.config.model.quantization or "none (bf16)"))
     rows.append(("KV cache", f"{kv_cache_dtype}: {llm.engine.core.num_blocks} blocks of "
@@ -88,7 +101,7 @@ def bench(which: list[str], repeats: int, max_num_seqs: int, max_num_batched_tok
     t = time.perf_counter()
     llm.generate(prompts(1, 128, vocab, next(seed)), SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     first = time.perf_counter() - t
-    rows.append(("cold start: process start -> first token (8B, random weights)",
+    rows.append(("cold start: process start -> first token (random weights)",
                  f"{time.perf_counter() - T_PROCESS_START:.1f} s (engine build incl. compile+graphs {engine_s:.1f} s, "
                  f"first request {first:.2f} s)"))
 
@@ -143,13 +156,15 @@ def main() -> None:
                     help="passed to LLM(quantization=...): fp8 quantizes the random bf16 weights at load")
     ap.add_argument("--config", default=CONFIG_8B, help="the model's config directory (random weights)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) of the benchmark engine")
+    ap.add_argument("--tokenizer", default=".devcarry/llama3-8b",
+                    help="the tokenizer directory when the config directory has none")
     args = ap.parse_args()
     try:
         if args.check:
             check(args.tokenizer_dir, args.kv_cache_dtype, args.quantization)
         if args.bench:
             bench(args.bench.split(","), args.repeats, args.max_num_seqs, args.max_num_batched_tokens,
-                  args.kv_cache_dtype, args.quantization, args.config, args.tensor_parallel_size)
+                  args.kv_cache_dtype, args.quantization, args.config, args.tensor_parallel_size, args.tokenizer)
     finally:
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
         for name, value in rows:

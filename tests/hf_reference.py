@@ -26,6 +26,28 @@ def make_tiny_llama_dir(path, tokenizer, *, num_kv_heads: int, tie: bool, seed: 
     return str(path)
 
 
+def make_tiny_hf_dir(path, tokenizer, model_type: str, *, seed: int = 0, **overrides) -> str:
+    """Saves a random tiny checkpoint of any transformers causal-LM family (by model_type) + the given
+    tokenizer into path; returns path. Small shapes with GQA, 2 layers, large random weights, norms and
+    biases perturbed (so the greedy tokens depend on every part of the model) unless overrides say otherwise."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=None)
+    kw.update(overrides)
+    kw = {k: v for k, v in kw.items() if v is not None or k == "pad_token_id"}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**kw), dtype=torch.float32)
+    with torch.no_grad():  # norms and biases start as ones / zeros: make them matter too
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probabilities, one prompt at a time (no padding effects)."""

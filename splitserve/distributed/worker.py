@@ -124,7 +124,8 @@ class RankWorker:
         if fault is not None and fault[1] == "startup_oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected on rank {rank})")
         m = config.model
-        _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
+        _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config,
+                              m.max_model_len)
         # The last stage's tensor-parallel rank 0 samples.
         sampler_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
         self.runner = StageRunner(config, model, sampler_rank)

@@ -27,7 +27,7 @@ from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, Sche
 from splitserve.engine_args import EngineArgs
 from splitserve.models.generation_config import sampling_defaults
 from splitserve.layers.quantization.config import resolve_quant_config
-from splitserve.models.text_config import layer_sliding_windows
+from splitserve.models.families import decoder_spec
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, load_tokenizer, resolve_model
@@ -217,7 +217,8 @@ class EngineCore:
                 kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype))
         try:
             t0 = time.perf_counter()
-            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config)
+            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config,
+                              m.max_model_len)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
             self.lora, lora_worker = None, None  # LoRAManager / LoRAWorker with --enable-lora
             if args.enable_lora:
@@ -237,12 +238,12 @@ class EngineCore:
     def _kv_free_window(self, hf_config) -> int | None:
         """The window after which the KV manager frees a request's blocks: read off the model's
         Attention layers in this process; with ranks (the model is in their processes) from the
-        config, by the rule the Llama-family models read their windows with."""
+        config, as the decoder reads its windows."""
         if self.model is not None:
             return kv_free_window(self.model)
         try:
-            windows = layer_sliding_windows(getattr(hf_config, "text_config", None) or hf_config)
-        except AttributeError:
+            windows = decoder_spec(getattr(hf_config, "text_config", None) or hf_config).windows
+        except (AttributeError, ValueError):
             return None
         return None if not windows or None in windows else max(windows)
 

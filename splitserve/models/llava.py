@@ -3,7 +3,7 @@ llava-hf checkpoint layout.
 
 Vision tower (CLIP ViT or SigLIP) + MLP projector are the batchful image stage: `encode_images` runs
 all images of a step as one batch and returns each image's features, one vector per placeholder
-token. The decoder is the engine's Llama-family model; image features enter as `inputs_embeds`.
+token. The decoder is the engine's configurable decoder (models/decoder.py); image features enter as `inputs_embeds`.
 """
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ from torch import nn
 
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
-from splitserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from splitserve.models.decoder import DecoderForCausalLM
 from splitserve.multimodal.processor import to_device_pixels
 
 
 def build_language_model(text_config, quant_config=None, prefix: str = "model.language_model",
-                         head_name: str = "lm_head") -> LlamaForCausalLM:
-    """The decoder; a quantization config applies to it alone (the vision tower and projector stay
-    in the model's dtype)."""
-    cls = Qwen2ForCausalLM if text_config.model_type == "qwen2" else LlamaForCausalLM
-    return cls(text_config, quant_config, prefix, head_name)
+                         head_name: str = "lm_head") -> DecoderForCausalLM:
+    """The decoder, of whichever family text_config's model_type names; a quantization config
+    applies to it alone (the vision tower and projector stay in the model's dtype)."""
+    return DecoderForCausalLM(text_config, quant_config, prefix, head_name)
 
 
 class VisionLanguageModel(nn.Module):
@@ -33,7 +32,7 @@ class VisionLanguageModel(nn.Module):
     is_multimodal = True
     image_processor_subfolder = ""
 
-    language_model: LlamaForCausalLM
+    language_model: DecoderForCausalLM
 
     @property
     def layers(self) -> nn.ModuleList:  # the runner compiles / graphs the decoder layers

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import importlib
 
+from splitserve.models.families import ARCHITECTURES
+
 _MODELS = {
-    "LlamaForCausalLM": ("splitserve.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("splitserve.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("splitserve.models.llama", "Qwen2ForCausalLM"),
+    # text decoders: one configurable decoder, the family read from the config's model_type
+    **{arch: ("splitserve.models.decoder", "DecoderForCausalLM") for arch in ARCHITECTURES.values()},
     # vision-language models
     "LlavaForConditionalGeneration": ("splitserve.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),

@@ -139,21 +139,17 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     """Starts the children for a CUDA engine with compiled graphs; None when the backend compiles no
     kernels on first launch, or the config's attention shape is not readable here (the parent then
     compiles as before). kv_dtype: the KV cache's dtype (None: dtype)."""
-    from splitserve.layers.rotary import rope_parameters
-    from splitserve.models.text_config import layer_sliding_windows
+    from splitserve.models.families import decoder_spec
     if not get_backend(backend).jit_kernels:
         return None
     text = getattr(hf_config, "text_config", None) or hf_config
     try:
-        num_heads = text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-        rot_dim = int(head_dim * rope_parameters(text).get("partial_rotary_factor", 1.0))
-        # The layers' windows, as the model reads them (a model with logit soft-capping should add
-        # its cap here as it does in its Attention layers; none does yet).
-        variants = tuple(sorted({(w, None) for w in layer_sliding_windows(text)}, key=lambda v: v[0] or 0))
-    except AttributeError:
+        # The attention shape and the layers' (window, soft cap) kinds, as the decoder reads them.
+        shape = decoder_spec(text)
+    except (AttributeError, ValueError):
         return None
+    num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    rot_dim, variants = shape.rot_dim, shape.attn_variants
     major, minor = torch.cuda.get_device_capability()
     # The SM count of the device the engine's launches will run on (the current one): the children
     # give it to the backend's launch heuristics instead of asking CUDA.

@@ -16,8 +16,9 @@
 
 The mask of a step needs the tokens of the step before it. With the runner in the core's process the
 core launches the step's forward first, takes in the tokens of the step in flight (advancing the
-matchers), then fills the masks while the device computes, and enqueues the sampler last (a fill of
-~0.1-0.4 ms per request hides behind the forward; async scheduling stays on). Worker processes get
+matchers), then fills the masks while the device computes, and enqueues the sampler last (async
+scheduling stays on). Filling on a thread of its own, to overlap the core's other host work too,
+measured slower on the H100 machine (BENCHMARKS.md, eleventh session). Worker processes get
 the masks inside the step message: there a step in which constrained requests sample is collected
 before the next one is scheduled (`needs_sync`).
 """
@@ -39,6 +40,19 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse (a compiled JSON schema is tens of kB to a few MB).
 _CACHE_ENTRIES = 256
+
+
+def fill_threads() -> int:
+    """Threads of a batch mask fill: half the CPUs this process may use, at most 8. xgrammar's
+    default counts the host's CPUs, which in a container can be many times the ones it gets; and the
+    fill runs beside the engine's own thread (measured on 16 CPUs: 8 threads fill 64 masks as fast
+    as 16, 4 threads 20% slower; benchmarks/grammar_fill.py)."""
+    import os
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 2
+    return max(1, min(8, cpus // 2))
 
 
 class RequestGrammar:
@@ -165,25 +179,22 @@ class StructuredOutputManager:
         return requests
 
     def fill_bitmask(self, requests: list) -> torch.Tensor:
-        """Their next-token masks, row i for requests[i]. A request that ended since it was scheduled
-        (its last token finished it, or it was aborted) gets an all-allowed row: what it samples in
-        this step is discarded."""
-        bitmask = torch.empty((len(requests), self.bitmask_words), dtype=torch.int32)
+        """The masks of `requests` (row i for requests[i]). A request that ended since it was
+        scheduled (its last token finished it, or it was aborted) gets an all-allowed row: what it
+        samples in this step is discarded."""
+        bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
         rows, matchers = [], []
         for i, request in enumerate(requests):
-            if request.is_finished or request.grammar.matcher.is_terminated():
-                bitmask[i] = -1
-            else:
+            if not request.is_finished and not request.grammar.matcher.is_terminated():
                 rows.append(i)
                 matchers.append(request.grammar.matcher)
-        if len(matchers) == len(requests) and len(matchers) > 1:
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        elif matchers:
             if self._batch_matcher is None:
                 import xgrammar as xgr
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
-        else:
-            for i, matcher in zip(rows, matchers):
-                matcher.fill_next_token_bitmask(bitmask, i)
+                self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads())
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
 
     def step_bitmask(self, sched, sampling: Callable[[object, int], bool]) -> GrammarBitmask | None:

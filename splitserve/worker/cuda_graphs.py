@@ -27,7 +27,6 @@ import torch
 
 from splitserve.attention.backend import AttentionBackend, AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
-from splitserve.models.llama import start_residual
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +158,7 @@ class PiecewiseGraphs:
     def _segment(self, j: int, n: int, residual: torch.Tensor | None) -> torch.Tensor:
         """Runs segment j at n tokens; returns the residual stream (the hidden states after the last)."""
         if j == 0:
-            x = self.model.embed(self.input_ids[:n])
-            residual = start_residual(x)
+            x, residual = self.model.start(self.model.embed(self.input_ids[:n]), self.positions[:n])
         else:
             x, residual = self.layers[j - 1].attn_outputs(self.attn_out[:n], residual)
         if j == len(self.layers):

@@ -79,9 +79,10 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Piecewise graphs need the text model's structure: embed, layers split at attention, norm."""
+    """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm."""
     layers = getattr(model, "layers", None)
-    return bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
+    return (bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
+            and hasattr(model, "start"))
 
 
 def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -397,7 +398,9 @@ class ModelRunner:
         elif logits is None:
             return step
         if logits is not None and sched.grammar is not None and sched.grammar.bitmask is None:
+            batch.sampling_metadata.grammar_after_launch = True
             step.awaiting_mask = (logits, batch.sampling_metadata)  # `sample` finishes the step
+            step.needs_sync = batch.sampling_metadata.needs_host_tokens  # known before it samples
             return step
         if logits is not None:
             self._sample(step, logits, batch.sampling_metadata)
@@ -410,7 +413,7 @@ class ModelRunner:
         core fills them while the device runs the forward, then the sampler is enqueued here."""
         logits, meta = step.awaiting_mask
         step.awaiting_mask = None
-        meta.grammar_bitmask, meta.grammar_after_launch = bitmask, True
+        meta.grammar_bitmask = bitmask
         self._sample(step, logits, meta)
         self._record_done(step)
 

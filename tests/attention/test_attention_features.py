@@ -203,6 +203,33 @@ def test_backend_head_dim_not_power_of_two_with_rotary(head_dim):
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("head_dim,rot_dim", [(80, 32), (64, 16), (96, 48), (80, None), (64, None)])
+def test_backend_partial_rotary_and_no_rotary(head_dim, rot_dim):
+    """The Triton backend's fused KV store with a rotary narrower than the head (Phi-2 / StableLM /
+    Persimmon shapes: only the first rot_dim features turn) and with no rotary table at all (OPT's
+    learned positions), against the reference backend."""
+    num_kv_heads, group = 2, 2
+    q, cache, meta = make_batch(SCENARIOS["mixed"], num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                                dtype=torch.float32, seed=head_dim + (rot_dim or 0))
+    g = torch.Generator().manual_seed(head_dim + 7)
+    k = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(DEVICE)
+    v = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(DEVICE)
+    cos_sin = None
+    if rot_dim is not None:
+        cos_sin = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": rot_dim / head_dim}).cos_sin.to(DEVICE)
+        assert cos_sin.shape[-1] == rot_dim
+    positions = torch.randint(0, 128, (q.shape[0],), generator=g).to(DEVICE)
+    ref_cache = cache.clone()
+    ref = TorchRefBackend(cpu_path=False).forward(q, k, v, ref_cache, meta, 0.1, positions, cos_sin)
+    out = TritonBackend().forward(q, k, v, cache, meta, 0.1, positions, cos_sin)
+    torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    if rot_dim is not None:  # the features past rot_dim are stored as they came
+        stored = cache[meta.slot_mapping[0] // cache.shape[2], 0, meta.slot_mapping[0] % cache.shape[2]]
+        torch.testing.assert_close(stored[:, rot_dim:], k[0, :, rot_dim:])
+
+
 def test_head_dim_must_be_a_multiple_of_16():
     q, cache, meta = make_batch([(5, 5)], num_kv_heads=1, group=1, head_dim=16, dtype=torch.float32)
     q, cache = q[..., :8].contiguous(), cache[..., :8].contiguous()

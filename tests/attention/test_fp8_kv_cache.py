@@ -288,7 +288,7 @@ def test_kv_scale_names(name, expected):
 def _tiny_llama():
     from transformers import LlamaConfig
 
-    from splitserve.models.llama import LlamaForCausalLM
+    from splitserve.models.decoder import LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return LlamaForCausalLM(cfg)

@@ -99,7 +99,7 @@ def test_tp2_pp2_tiny_llama(tokenizer, tmp_path):
 def test_head_counts_that_do_not_split_are_refused(monkeypatch, heads, kv_heads, tp, message):
     from transformers import LlamaConfig
 
-    from splitserve.models.llama import LlamaForCausalLM
+    from splitserve.models.decoder import LlamaForCausalLM
     monkeypatch.setattr(parallel_state, "_TP", parallel_state.ParallelGroup(rank=tp - 1, world_size=tp))
     config = LlamaConfig(vocab_size=96, hidden_size=heads * 4, intermediate_size=tp * 8, num_hidden_layers=1,
                          num_attention_heads=heads, num_key_value_heads=kv_heads)

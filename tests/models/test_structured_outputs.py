@@ -223,3 +223,31 @@ def test_padding_ids_of_a_wider_vocabulary_are_never_sampled(tmp_path):
     for out in constrained:
         o = out.outputs[0]
         assert all(t < real for t in o.token_ids) and re.fullmatch("[a-z]{3,10}", o.text), o
+
+
+def test_a_sampler_that_fails_after_the_masks_fails_its_step_only(llm):
+    """Async scheduling: a launched step gets its masks after its forward and its sampler is enqueued
+    afterwards. When that sampler raises once, the requests of that step end with an error; later
+    requests run normally and the pool, the worker's batch and the grammar state end whole."""
+    overlapped = LLM(num_blocks=1024, async_scheduling=True)
+    runner = overlapped.engine.runner
+    real_sample, calls = runner.sample, []
+
+    def failing_once(step, bitmask):
+        calls.append(bitmask.shape)
+        if len(calls) == 3:
+            raise RuntimeError("injected sampler failure")
+        return real_sample(step, bitmask)
+
+    runner.sample = failing_once
+    prompt = chat_prompt(llm, "Describe a person as JSON.")
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    failed = overlapped.generate([prompt, prompt], params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in failed] == ["error", "error"]
+    assert len(calls) == 3
+    runner.sample = real_sample
+    again = overlapped.generate([prompt], params[:1], use_tqdm=False)[0].outputs[0]
+    ref = llm.generate([prompt], params[:1], use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == ref.token_ids and again.finish_reason == ref.finish_reason
+    assert_clean(overlapped)

@@ -119,7 +119,7 @@ def test_quantization_config_is_read_as_transformers_keeps_it(tmp_path):
 def test_loader_builds_the_same_model_from_either_config(tmp_path):
     """Same parameter names and shapes from the native config as from transformers' one."""
     from transformers import AutoConfig
-    from splitserve.models.llama import LlamaForCausalLM
+    from splitserve.models.decoder import LlamaForCausalLM
     directory = _write(tmp_path, CASES["llama-gqa-tied-bf16"])
     shapes = []
     for config in (read_text_config(directory), AutoConfig.from_pretrained(directory)):

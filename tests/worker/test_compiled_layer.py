@@ -4,7 +4,8 @@ import torch
 import transformers
 from torch._inductor.utils import run_and_get_code
 
-from splitserve.models.llama import LlamaDecoderLayer
+from splitserve.models.decoder import DecoderLayer
+from splitserve.models.families import decoder_spec
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -13,7 +14,7 @@ def test_o_proj_residual_add_is_not_turned_into_addmm():
                                    num_key_value_heads=2, num_hidden_layers=1, vocab_size=100)
     g = torch.Generator().manual_seed(0)
     rotary = RotaryEmbedding(16, 64, rope_parameters(cfg))
-    layer = LlamaDecoderLayer(cfg, 0, False, rotary)
+    layer = DecoderLayer(decoder_spec(cfg), 0, rotary)
     for p in layer.parameters():
         p.data.normal_(0, 0.1, generator=g)
     layer = layer.to(torch.bfloat16)

@@ -9,7 +9,8 @@ from splitserve.layers.linear import process_weights_after_loading
 from splitserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from splitserve.layers.quantization.fp8 import Fp8Config
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
-from splitserve.models.llama import LlamaDecoderLayer
+from splitserve.models.decoder import DecoderLayer
+from splitserve.models.families import decoder_spec
 
 
 def int8_config():
@@ -23,7 +24,7 @@ def layers(quant_config, n=2):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=2, num_hidden_layers=n, vocab_size=100)
     rotary = RotaryEmbedding(16, 64, rope_parameters(cfg))
-    out = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, False, rotary, quant_config, f"model.layers.{i}.")
+    out = torch.nn.ModuleList(DecoderLayer(decoder_spec(cfg), i, rotary, quant_config, f"model.layers.{i}.")
                               for i in range(n))
     gen = torch.Generator().manual_seed(0)
     for layer in out:
