@@ -9,7 +9,7 @@ import transformers
 
 from splitserve.lora.layers import attach_lora
 from splitserve.lora.worker import LoRAWorker
-from splitserve.models.llama import LlamaForCausalLM
+from splitserve.models.decoder import DecoderForCausalLM
 
 pytestmark = pytest.mark.slow  # Inductor compiles four graphs (~40 s on two cores)
 
@@ -19,7 +19,7 @@ S, R = 3, 8
 def tiny_model(gen):
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                    num_hidden_layers=1, vocab_size=100, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg)
+    model = DecoderForCausalLM(cfg)
     for p in model.parameters():
         p.data.normal_(0, 0.1, generator=gen)
     lora = attach_lora(model, S, R, max_tokens=40)
