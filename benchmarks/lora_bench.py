@@ -7,8 +7,11 @@ Configs (issue "Multi-LoRA"): LoRA disabled; enabled (16 slots, rank 16) but no 
 adapter (target >= 0.97x of disabled); every request uses one adapter (>= 0.85x); requests spread round
 robin over 32 adapters with 16 slots (>= 0.75x). Adapters are random PEFT-format directories (rank 16,
 alpha 32, on all seven projections of every layer), written once under --adapters-dir (84 MB each in
-bf16). Each config is a fresh engine: one warm-up generate (compiles the LoRA variant of the layers),
-then `--repeats` timed runs with fresh prompt seeds (no prefix-cache hits). Prints a table last.
+bf16). Each config is a fresh engine in a process of its own (its build time, which with LoRA
+includes capturing the decode graphs with and without the delta, is in the table): one warm-up
+generate (first kernel launches, adapters into host memory and slots), then `--repeats` timed runs
+with fresh prompt seeds (no prefix-cache hits); the table also counts the adapters put into slots
+during the timed runs (evictions). Prints a table last.
 --cfg-only writes the adapters and checks one against the base model's shapes, without a GPU.
 """
 from __future__ import annotations
@@ -66,11 +69,14 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
 
 
-def run_config(name: str, adapters: list[str], n: int, repeats: int, inp: int, out: int, max_num_seqs: int) -> list[float]:
+def run_config(name: str, adapters: list[str], n: int, repeats: int, inp: int, out: int, max_num_seqs: int) -> dict:
     lora_kwargs = {} if name == "disabled" else dict(enable_lora=True, max_loras=16, max_lora_rank=RANK,
                                                        max_cpu_loras=32)
+    t0 = time.perf_counter()
     llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs,
               **lora_kwargs)
+    build_s = time.perf_counter() - t0
+    manager = llm.engine.core.lora
     vocab = llm.engine.config.model.vocab_size
     loras = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(adapters)]
 
@@ -84,6 +90,7 @@ def run_config(name: str, adapters: list[str], n: int, repeats: int, inp: int, o
     params = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
     llm.generate(prompts(64, inp, vocab, 1), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False,
                  lora_request=requests(64))  # warm-up: compiles, loads the adapters into slots
+    loads_before = manager.num_slot_loads if manager is not None else 0
     times = []
     for r in range(repeats):
         ps = prompts(n, inp, vocab, 1000 + r)
@@ -92,10 +99,11 @@ def run_config(name: str, adapters: list[str], n: int, repeats: int, inp: int, o
         res = llm.generate(ps, params, use_tqdm=False, lora_request=requests(n))
         times.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == out for o in res)
+    loads = (manager.num_slot_loads - loads_before) if manager is not None else 0
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return times
+    return {"times": times, "build_s": build_s, "slot_loads": loads}
 
 
 def main() -> None:
@@ -124,8 +132,8 @@ def main() -> None:
         print(f"adapter ok: rank {adapter.rank}, {len(adapter.weights)} modules, {adapter.nbytes() / 2**20:.0f} MiB")
         return
     if len(configs) == 1 and a.child:
-        times = run_config(configs[0], adapters, a.n, a.repeats, a.input_len, a.output_len, a.max_num_seqs)
-        print("LORA_BENCH_TIMES " + json.dumps(times))
+        result = run_config(configs[0], adapters, a.n, a.repeats, a.input_len, a.output_len, a.max_num_seqs)
+        print("LORA_BENCH_TIMES " + json.dumps(result))
         return
     # Each configuration in a process of its own: an engine does not give its GPU memory back
     # (KV cache, compiled graphs) when it goes out of scope, so a second one in the same process OOMs.
@@ -137,16 +145,18 @@ def main() -> None:
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
         results[name] = json.loads(out.rsplit("LORA_BENCH_TIMES ", 1)[1].splitlines()[0])
     total = a.n * a.output_len
-    base = statistics.median(results["disabled"]) if "disabled" in results else None
+    base = statistics.median(results["disabled"]["times"]) if "disabled" in results else None
     targets = {"unused": 0.97, "one": 0.85, "many": 0.75}
     print(f"\nLoRA throughput, Llama-3-8B shape (random bf16), {a.n} x {a.input_len} in / {a.output_len} out, "
           f"rank {RANK} on q,k,v,o,gate,up,down; {torch.cuda.get_device_name()}")
-    print(f"{'config':<12} {'output tok/s':>14} {'vs disabled':>12} {'target':>8}  runs (s)")
-    for name, times in results.items():
+    print(f"{'config':<12} {'output tok/s':>14} {'vs disabled':>12} {'target':>8} {'build s':>8} "
+          f"{'slot loads':>10}  runs (s)")
+    for name, r in results.items():
+        times = r["times"]
         m = statistics.median(times)
         ratio = f"{base / m:.3f}x" if base else "-"
-        print(f"{name:<12} {total / m:>14,.0f} {ratio:>12} {targets.get(name, '-'):>8}  "
-              f"{', '.join(f'{t:.2f}' for t in times)}")
+        print(f"{name:<12} {total / m:>14,.0f} {ratio:>12} {targets.get(name, '-'):>8} {r['build_s']:>8.1f} "
+              f"{r['slot_loads']:>10}  {', '.join(f'{t:.2f}' for t in times)}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,12 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
+    def pin_memory(self) -> "LoRAAdapter":
+        """Its weights in page-locked memory, so that slot loads copy them without a host copy or a
+        stream synchronisation (done on the loader thread, off the step loop)."""
+        self.weights = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in self.weights.items()}
+        return self
+
 
 def _read_config(path: str) -> dict:
     if not os.path.isdir(path):

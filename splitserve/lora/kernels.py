@@ -1,16 +1,22 @@
-"""Triton kernels of the LoRA delta: a gathered, segmented GEMM indexed by each token's slot.
+"""Triton kernels of the LoRA delta: a gathered GEMM over tiles of tokens that share a slot.
 
-The step's tokens that have an adapter are listed grouped by slot (`sorted_tokens`, one segment per
-slot: `seg_starts`, `seg_slots`; built on the host with the step's layout, lora/ops.py). A program
-takes a tile of up to BLOCK_M tokens of one segment and BLOCK_N output features, gathers the tokens'
-rows of `x` and multiplies them with its slot's weights:
+The step's layout (lora/ops.py) lists the tokens that have an adapter grouped by slot, each group
+padded to whole tiles of TILE entries (-1: no token). A program takes one tile and a block of
+output features, gathers its tokens' rows and multiplies them with its slot's weights:
 
-    shrink:  y[t, :]        = x[t, :] @ A[slot]^T            (A [S, R, in], y fp32 [T, R])
-    expand:  out[t, n0:n1] += y[t, r0:r1] @ B[slot, n0:n1]^T  (B [S, out, R], added into the base output)
+    shrink:  part[k, p, :] = x[row(p), K-part k] @ A[slot]^T[K-part k]   (A [S, shards*R, in], fp32)
+    expand:  out[row(p), cols] += (sum_k part[k, p, shard's R]) @ B[slot, cols]^T   (B [S, out, R])
 
-Shrink has a long K (the hidden size) and a short N (the rank): it splits K over SPLIT_K programs that
-add their partials atomically into y (zeroed first). Tokens without an adapter are in no segment and
-cost nothing. The torch definition of both is in lora/ops.py (also the CPU path).
+Both grids are fixed by the padded token count (and the weights' shapes): (output blocks, the most
+tiles that many tokens can need). Programs whose tile is past the step's `num_tiles` (read on the
+device) return at once, so CUDA graphs capture the launches and replay them with any layout.
+
+Shrink has a long K (the hidden size) and a short N (the rank): few tokens split K over SPLIT_K
+programs, which write their fp32 partials apart; expand sums them while loading y, so nothing needs
+zeroing and nothing is atomic (the same sums in the same order for a token whatever else the step
+holds). Expand multiplies in fp32 (y is never rounded to the weights' dtype) and rounds once when it
+adds into the output; a merged layer's shards (q/k/v, gate/up) are one launch, each program inside
+one shard. The torch definition of both is in lora/ops.py (also the CPU path).
 """
 from __future__ import annotations
 
@@ -18,77 +24,130 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.lora.ops import TILE
+
+_NO_SHARD = 1 << 30  # first program of a shard that does not exist
+
 
 @triton.jit
-def _lora_segment_gemm(x_ptr, w_ptr, out_ptr, sorted_ptr, seg_start_ptr, seg_slot_ptr,
-                       N, K, K_PER_SPLIT,
-                       stride_xm, stride_xk, stride_ws, stride_wn, stride_wk, stride_om, stride_on,
-                       ATOMIC: tl.constexpr, ADD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_nk = tl.program_id(2)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_n = pid_nk % num_n
-    pid_k = pid_nk // num_n
-    start = tl.load(seg_start_ptr + seg)
-    end = tl.load(seg_start_ptr + seg + 1)
-    m0 = start + pid_m * BLOCK_M
-    if m0 < end:
-        slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        rows = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, num_tiles_ptr, tile_slots_ptr, token_rows_ptr,
+                        N, K, K_PER_SPLIT, stride_xm, stride_as, stride_an, stride_ps, stride_pm,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_nk = tl.program_id(0)
+    tile = tl.program_id(1)
+    if tile < tl.load(num_tiles_ptr):
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid_n = pid_nk % num_n
+        pid_k = pid_nk // num_n
+        slot = tl.load(tile_slots_ptr + tile).to(tl.int64)
+        offs_p = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(token_rows_ptr + offs_p)
+        mask_m = rows >= 0
+        rows = tl.where(mask_m, rows, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_begin = pid_k * K_PER_SPLIT
-        w_base = w_ptr + slot * stride_ws
+        a_base = a_ptr + slot * stride_as
         for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
                          mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wt = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+            at = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None],
                          mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc += tl.dot(xt.to(wt.dtype), wt)
-        ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-        mask = mask_m[:, None] & mask_n[None, :]
-        if ATOMIC:
-            tl.atomic_add(ptrs, acc, mask=mask)
-        else:
-            if ADD:
-                acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if IEEE:
+                acc += tl.dot(xt, at, input_precision="ieee")
+            else:
+                acc += tl.dot(xt, at)
+        tl.store(part_ptr + pid_k * stride_ps + offs_p[:, None] * stride_pm + offs_n[None, :], acc,
+                 mask=mask_n[None, :])
 
 
-def _launch(x, w, out, sorted_tokens, seg_starts, seg_slots, num_segs: int, max_seg_len: int,
-            split_k: int, add: bool) -> None:
-    N, K = w.shape[1], w.shape[2]
-    BLOCK_M = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+@triton.jit
+def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, num_tiles_ptr, tile_slots_ptr, token_rows_ptr,
+                        N0, N1, N2, P1, P2, N_ITERS, SPLIT_K, stride_ps, stride_pm, stride_bs, stride_bn,
+                        stride_om, RANK: tl.constexpr, R_PAD: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    tile = tl.program_id(1)
+    if tile < tl.load(num_tiles_ptr):
+        # which shard this program writes: programs [0, P1) shard 0, [P1, P2) shard 1, [P2, ...) shard 2
+        shard = (pid >= P1).to(tl.int32) + (pid >= P2).to(tl.int32)
+        first = tl.where(shard == 0, 0, tl.where(shard == 1, P1, P2))
+        col0 = tl.where(shard == 0, 0, tl.where(shard == 1, N0, N0 + N1))
+        n_size = tl.where(shard == 0, N0, tl.where(shard == 1, N1, N2))
+        n_start = (pid - first) * (BLOCK_N * N_ITERS)
+        slot = tl.load(tile_slots_ptr + tile).to(tl.int64)
+        offs_p = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(token_rows_ptr + offs_p)
+        mask_m = rows >= 0
+        rows = tl.where(mask_m, rows, 0).to(tl.int64)
+        offs_r = tl.arange(0, R_PAD)
+        mask_r = offs_r < RANK
+        y = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+        for k in range(SPLIT_K):  # a runtime count: one compiled variant for every split
+            y += tl.load(part_ptr + k * stride_ps + offs_p[:, None] * stride_pm + (shard * RANK + offs_r)[None, :],
+                         mask=mask_r[None, :], other=0.0)
+        b_base = b_ptr + slot * stride_bs
+        for it in range(N_ITERS):
+            offs_n = n_start + it * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_size
+            cols = col0 + offs_n
+            bt = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None],
+                         mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            delta = tl.dot(y, bt, input_precision="ieee")
+            ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+            mask = mask_m[:, None] & mask_n[None, :]
+            cur = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (cur + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def shrink_split(K: int, grid_tiles: int) -> int:
+    """K parts of the shrink: a step of few tokens still spreads over the GPU (its rank gives one
+    output block per tile); many tokens need no split (and expand then reads one partial)."""
+    return max(1, min(16, K // 512, 256 // grid_tiles))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, tile_slots: torch.Tensor,
+                token_rows: torch.Tensor, grid_tiles: int) -> torch.Tensor:
+    """fp32 partials [split, grid_tiles * TILE, N] of x A[slot]^T by layout entry (rows of unused
+    entries are left unwritten)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    N, K = lora_a.shape[1], lora_a.shape[2]
+    split_k = shrink_split(K, grid_tiles)
     BLOCK_N = max(16, min(64, triton.next_power_of_2(N)))
-    BLOCK_K = max(16, min(64, triton.next_power_of_2(K)))
+    BLOCK_K = max(16, min(128, triton.next_power_of_2(K)))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     split_k = triton.cdiv(K, k_per_split)
-    grid = (num_segs, triton.cdiv(max_seg_len, BLOCK_M), triton.cdiv(N, BLOCK_N) * split_k)
-    _lora_segment_gemm[grid](x, w, out, sorted_tokens, seg_starts, seg_slots, N, K, k_per_split,
-                             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-                             out.stride(0), out.stride(1), ATOMIC=split_k > 1, ADD=add,
-                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    part = torch.empty(split_k, grid_tiles * TILE, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, BLOCK_N) * split_k, grid_tiles)
+    _lora_shrink_kernel[grid](x, lora_a, part, num_tiles, tile_slots, token_rows, N, K, k_per_split,
+                              x.stride(0), lora_a.stride(0), lora_a.stride(1), part.stride(0), part.stride(1),
+                              IEEE=x.dtype == torch.float32, BLOCK_M=TILE, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                              num_warps=4)
+    return part
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_tokens, seg_starts, seg_slots,
-                num_segs: int, max_seg_len: int) -> torch.Tensor:
-    """y [T, R] fp32 = x @ A[slot]^T per token (zero rows for tokens without an adapter)."""
-    y = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    # K split so that a step of few tokens still spreads over the GPU (the rank alone gives 1 tile).
-    split_k = max(1, min(16, lora_a.shape[2] // 512))
-    _launch(x, lora_a, y, sorted_tokens, seg_starts, seg_slots, num_segs, max_seg_len, split_k, add=True)
-    return y
-
-
-def lora_expand_(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sorted_tokens, seg_starts, seg_slots,
-                 num_segs: int, max_seg_len: int) -> None:
-    """out[t] += y[t] @ B[slot]^T per token with an adapter (out may be a column slice of a merged
-    layer's output, y a column slice of the shrink's)."""
-    _launch(y, lora_b, out, sorted_tokens, seg_starts, seg_slots, num_segs, max_seg_len, 1, add=True)
+def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, num_tiles: torch.Tensor,
+                 tile_slots: torch.Tensor, token_rows: torch.Tensor, grid_tiles: int, shard_sizes: list[int],
+                 rank: int) -> None:
+    """out[row] += y[row] @ B[slot]^T per token with an adapter, every shard of a merged layer in one
+    launch (shard i reads y's columns [i*rank, (i+1)*rank) and writes its own output columns)."""
+    if len(shard_sizes) > 3:
+        raise ValueError(f"at most 3 merged shards, got {len(shard_sizes)}")
+    assert out.stride(-1) == 1 and lora_b.stride(-1) == 1, "out and lora_b need contiguous rows"
+    BLOCK_N = 128
+    split_k = part.shape[0]
+    n_iters = max(1, min(4, split_k, triton.cdiv(max(shard_sizes), BLOCK_N)))
+    per_program = BLOCK_N * n_iters
+    programs = [triton.cdiv(n, per_program) for n in shard_sizes]
+    sizes = list(shard_sizes) + [0] * (3 - len(shard_sizes))
+    p1 = programs[0] if len(programs) > 1 else _NO_SHARD
+    p2 = programs[0] + programs[1] if len(programs) > 2 else _NO_SHARD
+    grid = (sum(programs), grid_tiles)
+    _lora_expand_kernel[grid](part, lora_b, out, num_tiles, tile_slots, token_rows, sizes[0], sizes[1], sizes[2],
+                              p1, p2, n_iters, split_k, part.stride(0), part.stride(1), lora_b.stride(0),
+                              lora_b.stride(1), out.stride(0), RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
+                              BLOCK_M=TILE, BLOCK_N=BLOCK_N, num_warps=4)

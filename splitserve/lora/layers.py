@@ -4,9 +4,14 @@ Each of q/k/v (the merged QKV layer), o, gate/up (merged) and down of every deco
 by a `LoRALinear` that runs the base layer unchanged and, when the step has tokens with an adapter,
 adds their delta (lora/ops.py) into its output. The adapters live in fixed GPU slots: per layer
 `lora_a` [max_loras, shards * max_rank, in] and `lora_b` [max_loras, out, max_rank], zero-padded to
---max-lora-rank, the scaling folded into B. Whether a step runs any delta is one host-side flag shared
-by all the wrappers (`LoRAState.active`), set by the runner from the step's layout: a step with no
-adapter runs exactly the base model.
+--max-lora-rank, the scaling folded into B; a slot load copies into them in place. Every wrapper
+reads the one step layout (`LoRALayout`, static device buffers the worker rewrites per step), so a
+CUDA graph captured with the delta sees each step's tokens and slots without being captured again.
+
+Whether the forward calls the delta at all is one host-side flag shared by all the wrappers
+(`LoRAState.active`): torch.compile guards on it, so the compiled halves exist in two variants, with
+and without the op. The runner sets it from the step's layout for steps without graphs (a step with no
+adapter runs exactly the base model); graph capture sets it per captured variant.
 """
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ from torch import nn
 from splitserve.layers.linear import Linear
 from splitserve.lora import ops  # noqa: F401  (registers splitserve::lora_add_)
 from splitserve.lora.adapter import LoRAAdapter
+from splitserve.lora.ops import LoRALayout
 
 
 class LoRAState:
-    """Shared by every wrapper of a model: whether the current step has tokens with an adapter."""
+    """Shared by every wrapper of a model: whether the forward adds the LoRA delta."""
 
     def __init__(self):
         self.active = False
@@ -27,7 +33,7 @@ class LoRAState:
 
 class LoRALinear(nn.Module):
     def __init__(self, base: Linear, projections: tuple[str, ...], layer_idx: int, state: LoRAState,
-                 max_loras: int, max_rank: int):
+                 layout: LoRALayout, max_loras: int, max_rank: int):
         super().__init__()
         self.base = base
         self.projections = projections
@@ -46,11 +52,15 @@ class LoRALinear(nn.Module):
                                                    dtype=dtype, device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, dtype=dtype,
                                                    device=device), persistent=False)
+        # The step layout's views, shared by every wrapper (buffers, so compiled code takes them as inputs).
+        for name in ("num_tiles", "token_slots", "tile_slots", "token_rows"):
+            self.register_buffer(name, getattr(layout, name), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         if self.state.active:
-            torch.ops.splitserve.lora_add_(out, x, self.lora_a, self.lora_b, self.shard_sizes, self.rank)
+            torch.ops.splitserve.lora_add_(out, x, self.lora_a, self.lora_b, self.num_tiles, self.token_slots,
+                                           self.tile_slots, self.token_rows, self.shard_sizes, self.rank)
         return out
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
@@ -59,6 +69,10 @@ class LoRALinear(nn.Module):
     @property
     def is_quantized(self) -> bool:
         return self.base.is_quantized
+
+    @property
+    def params_dtype(self) -> torch.dtype:  # the activations' dtype (cuda_graphs sizes its buffers by it)
+        return self.base.params_dtype
 
     @torch.no_grad()
     def set_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -73,9 +87,20 @@ class LoRALinear(nn.Module):
             if pair is not None:
                 a, b = pair
                 r = a.shape[0]
-                self.lora_a[slot, i * R:i * R + r].copy_(a)
-                self.lora_b[slot, col:col + size, :r].copy_(b)
+                _copy_in(self.lora_a[slot, i * R:i * R + r], a)
+                _copy_in(self.lora_b[slot, col:col + size, :r], b)
             col += size
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Host -> device without waiting: a copy from pageable memory would synchronise the stream (and
+    stall the steps in flight) once per tensor. The manager's adapters are pinned on the loader
+    thread already; anything else is pinned here (torch's host allocator keeps that copy until the
+    transfer is done)."""
+    if dst.is_cuda and src.device.type == "cpu":
+        dst.copy_(src if src.is_pinned() else src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 # attribute of the decoder layer's submodule -> the PEFT projections it stands for
@@ -86,8 +111,10 @@ _WRAPPED = (("self_attn", "qkv_proj", ("q", "k", "v")), ("self_attn", "o_proj", 
 class LoRAModel:
     """The wrappers of one model and the slots they share."""
 
-    def __init__(self, state: LoRAState, wrappers: list[LoRALinear], max_loras: int, max_rank: int):
+    def __init__(self, state: LoRAState, layout: LoRALayout, wrappers: list[LoRALinear], max_loras: int,
+                 max_rank: int):
         self.state = state
+        self.layout = layout
         self.wrappers = wrappers
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -99,10 +126,11 @@ class LoRAModel:
             w.set_slot(slot, adapter)
 
 
-def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAModel:
+def attach_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int) -> LoRAModel:
     """Replaces the decoder's projections with LoRA wrappers (after loading and
     process_weights_after_loading; before compilation). A VLM's language model gets them, its vision
-    tower does not."""
+    tower does not. max_tokens: the most flat tokens a forward sees (a step's budget, or a decode
+    graph's padded batch if larger)."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
     decoder = getattr(model, "language_model", model)
@@ -110,6 +138,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAModel:
     if not layers:
         raise ValueError(f"LoRA is not supported for {type(model).__name__}: it has no decoder layers")
     state = LoRAState()
+    layout = LoRALayout(max_tokens, max_loras, next(model.parameters()).device)
     wrappers = []
     for i, layer in enumerate(layers):
         for parent_name, attr, projections in _WRAPPED:
@@ -118,7 +147,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAModel:
             if not isinstance(base, Linear):
                 raise ValueError(f"LoRA is not supported for {type(model).__name__}: layer {i} has no "
                                  f"{parent_name}.{attr} linear layer")
-            wrapper = LoRALinear(base, projections, i, state, max_loras, max_rank)
+            wrapper = LoRALinear(base, projections, i, state, layout, max_loras, max_rank)
             setattr(parent, attr, wrapper)
             wrappers.append(wrapper)
-    return LoRAModel(state, wrappers, max_loras, max_rank)
+    return LoRAModel(state, layout, wrappers, max_loras, max_rank)

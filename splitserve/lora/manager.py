@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, targets: LoRATargets, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, pin_memory: bool = False):
         self.targets = targets
+        self.pin_memory = pin_memory  # host copies in page-locked memory (the model is on a GPU)
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
@@ -51,7 +52,8 @@ class LoRAManager:
 
     # -- host memory ------------------------------------------------------------------------------
     def _load(self, lora: LoRARequest) -> LoRAAdapter:
-        return load_adapter(lora.lora_int_id, lora.lora_name, lora.lora_path, self.targets, self.max_rank, self.dtype)
+        adapter = load_adapter(lora.lora_int_id, lora.lora_name, lora.lora_path, self.targets, self.max_rank, self.dtype)
+        return adapter.pin_memory() if self.pin_memory else adapter
 
     def _poll(self) -> None:
         for lid, fut in list(self._loading.items()):
@@ -161,5 +163,8 @@ def build_lora(args, hf_config, dtype: torch.dtype, model):
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras ({args.max_loras})")
     manager = LoRAManager(LoRATargets.from_hf_config(hf_config), args.max_loras, args.max_lora_rank,
-                          args.max_cpu_loras, dtype)
-    return manager, LoRAWorker(attach_lora(model, args.max_loras, args.max_lora_rank), manager.host_adapter)
+                          args.max_cpu_loras, dtype, pin_memory=next(model.parameters()).is_cuda)
+    # The layout covers a step's token budget and a decode graph's padded batch (at most max_num_seqs).
+    max_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    lora_model = attach_lora(model, args.max_loras, args.max_lora_rank, max_tokens)
+    return manager, LoRAWorker(lora_model, manager.host_adapter)

@@ -11,6 +11,12 @@ the real tokens. Padding rows are harmless there: every batchful layer treats ro
 
 All graphs share one memory pool. That is safe because a step replays one bucket's graphs in capture
 order and no data passes between different buckets' graphs through pool memory.
+
+With LoRA (`lora_state`: the wrappers' shared flag, lora/layers.py) the graphs are captured with the
+delta op, which reads the step's layout from static buffers, so steps with adapters replay them too.
+Decode graphs are captured twice, with and without the delta, and a step without adapters replays
+the plain one (its decode step then costs exactly what it costs without LoRA); piecewise graphs only
+with it (a step without adapters runs the delta's launches, which return at once).
 """
 from __future__ import annotations
 
@@ -34,10 +40,14 @@ class DecodeGraphs:
     instead of replaying (CPU tests of the plumbing: the backend's hooks, padding, the logits buffer)."""
 
     def __init__(self, model, backend: AttentionBackend, sizes: list[int], max_blocks_per_seq: int,
-                 max_model_len: int, num_kv_heads: int, device: torch.device, use_graphs: bool = True):
+                 max_model_len: int, num_kv_heads: int, device: torch.device, use_graphs: bool = True,
+                 lora_state=None):
         self.model = model
         self.backend = backend
         self.use_graphs = use_graphs
+        self.lora_state = lora_state
+        # the captured variants: without the LoRA delta, and with it when the model has LoRA
+        self.variants = (False,) if lora_state is None else (False, True)
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
         n, dev = self.max_size, device
@@ -47,7 +57,7 @@ class DecodeGraphs:
             self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
             self.positions = torch.zeros(n, dtype=torch.long, device=dev)
             self.attn_state = backend.decode_graph_state(n, max_blocks_per_seq, max_model_len, num_kv_heads, dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits here: one [max_size, vocab] buffer in the model's dtype
         # instead of one per graph (together ~1 GB at 8B/128k vocab for sizes up to 512, taken from
         # the KV cache).
@@ -68,18 +78,25 @@ class DecodeGraphs:
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
         start = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            t = time.perf_counter()
-            with torch.cuda.stream(stream):
-                self._forward(bs)  # warm-up: compile, autotune, allocate outside the graph
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._forward(bs)
-            self.graphs[bs] = graph
-            logger.debug("decode graph for %d sequences captured in %.2f s", bs, time.perf_counter() - t)
+            for lora in self.variants:
+                t = time.perf_counter()
+                if self.lora_state is not None:
+                    self.lora_state.active = lora
+                with torch.cuda.stream(stream):
+                    self._forward(bs)  # warm-up: compile, autotune, allocate outside the graph
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._forward(bs)
+                self.graphs[bs, lora] = graph
+                logger.debug("decode graph for %d sequences%s captured in %.2f s", bs, " with LoRA" * lora,
+                             time.perf_counter() - t)
+        if self.lora_state is not None:
+            self.lora_state.active = False
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d%s) in %.1f s", len(self.graphs),
+                    self.sizes[0], self.max_size, ", with and without LoRA" if len(self.variants) > 1 else "",
+                    time.perf_counter() - start)
 
     def padded_size(self, num_seqs: int) -> int | None:
         for bs in self.sizes:
@@ -88,15 +105,16 @@ class DecodeGraphs:
         return None
 
     def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+            meta: AttentionMetadata, lora: bool = False) -> torch.Tensor:
         """Copies the step's inputs (device tensors of num_seqs rows, one token each) into the static
-        buffers, replays, and returns the logits of the real rows."""
+        buffers, replays (the LoRA variant when the step has adapters; their layout is already in its
+        buffers), and returns the logits of the real rows."""
         bs = self.padded_size(num_seqs)
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
         self.backend.prepare_replay(self.attn_state, meta, bs)
         if self.use_graphs:
-            self.graphs[bs].replay()
+            self.graphs[bs, lora and self.lora_state is not None].replay()
         else:
             self._forward(bs)
         return self.logits[:num_seqs]
@@ -111,8 +129,9 @@ class PiecewiseGraphs:
     With use_graphs=False the same segments run eagerly on the same buffers (CPU tests of the
     plumbing: padding, buffer slicing, segment order)."""
 
-    def __init__(self, model, sizes: list[int], device: torch.device, use_graphs: bool = True):
+    def __init__(self, model, sizes: list[int], device: torch.device, use_graphs: bool = True, lora_state=None):
         self.model = model
+        self.lora_state = lora_state  # captured with the LoRA delta when given
         self.layers = list(model.layers)
         self.sizes = sorted(sizes)
         self.use_graphs = use_graphs
@@ -154,6 +173,8 @@ class PiecewiseGraphs:
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
         start = time.perf_counter()
         num_segments = len(self.layers) + 1
+        if self.lora_state is not None:
+            self.lora_state.active = True
         for n in reversed(self.sizes):
             with torch.cuda.stream(stream):
                 residual = None
@@ -170,6 +191,8 @@ class PiecewiseGraphs:
                 residual = out
                 graphs.append(graph)
             self.graphs[n], self.hidden[n] = graphs, residual
+        if self.lora_state is not None:
+            self.lora_state.active = False
         torch.cuda.synchronize()
         logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d segments each, in %.1f s",
                     len(self.sizes), self.sizes[0], self.sizes[-1], num_segments, time.perf_counter() - start)

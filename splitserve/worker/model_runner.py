@@ -228,8 +228,9 @@ class ModelRunner:
         compile_decoder_layers(self.model)
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
         m = self.config.model
+        lora_state = None if self.lora is None else self.lora.model.state  # graphs with the LoRA delta too
         self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
-                                   self.kv_layout()[1], self.device)
+                                   self.kv_layout()[1], self.device, lora_state=lora_state)
         self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -237,7 +238,7 @@ class ModelRunner:
         budget = self.config.scheduler.max_num_batched_tokens
         piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
         if piecewise_sizes and supports_piecewise(self.model):
-            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device)
+            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state)
             self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
@@ -322,7 +323,7 @@ class ModelRunner:
         plan = plan_prompt_logprobs(ib, rows, starts, counts, qsl) if ib.num_prompt_logprob_rows else None
         ib.record_launch(rows, seq_lens, sample_rows, self.num_launched)
         if self.lora is not None:
-            self.lora.prepare_step(ib.lora_id[rows], counts, self.device)
+            self.lora.prepare_step(ib.lora_id[rows], counts)
 
         t = st.tensors
         dev = self.device
@@ -355,15 +356,16 @@ class ModelRunner:
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         meta = batch.meta
         num_seqs = meta.num_seqs
-        # Graphs are captured without LoRA deltas: a step with adapters runs the compiled layers eagerly.
-        graphs_ok = self.lora is None or not self.lora.active
-        if (graphs_ok and self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
+        # Graphs hold the LoRA delta (its layout is in static buffers, written by prepare); decode
+        # graphs also exist without it, for steps where no token has an adapter.
+        lora = self.lora is not None and self.lora.active
+        if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
                 and batch.prompt_logprobs is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
-            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta)
+            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta, lora)
         ctx = ForwardContext(meta, self.backend)
-        if (graphs_ok and self.piecewise is not None and batch.inputs_embeds is None
+        if (self.piecewise is not None and batch.inputs_embeds is None
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
             hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx)
         else:

@@ -88,6 +88,33 @@ def test_tiny_llama_fewer_slots_than_adapters_same_outputs(tiny):
     assert len(manager._host) <= 2 and all(n == 0 for n in manager.pins.values())
 
 
+def test_graph_paths_with_adapters_match_peft(tiny):
+    """The decode-graph and piecewise-graph paths, run without graphs on CPU: the static input
+    buffers, batches padded to the graph sizes (the padding rows have no adapter in the step layout),
+    and the LoRA variant of the decode graphs picked for steps with adapters only."""
+    from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+    path, hf, loras, refs, prompts = tiny
+    llm = LLM(path, num_blocks=128, max_num_batched_tokens=96, enable_lora=True, max_loras=4, max_lora_rank=64,
+              max_num_seqs=12)
+    runner = llm.engine.runner
+    state, m = runner.lora.model.state, runner.config.model
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, [4, 16], runner.max_blocks_per_seq, m.max_model_len,
+                                 m.num_kv_heads, runner.device, use_graphs=False, lora_state=state)
+    runner.piecewise = PiecewiseGraphs(runner.model, [16, 64], runner.device, use_graphs=False, lora_state=state)
+    decode_calls, piecewise_calls = [], []
+    run_decode, run_piecewise = runner.graphs.run, runner.piecewise.run
+    runner.graphs.run = lambda n, *a: decode_calls.append((n, a[-1])) or run_decode(n, *a)  # a[-1]: lora
+    runner.piecewise.run = lambda ids, *a: piecewise_calls.append(ids.shape[0]) or run_piecewise(ids, *a)
+    check_mixed_batch(llm, hf, loras, refs, prompts)
+    assert any(lora and n not in (4, 16) for n, lora in decode_calls)  # padded decode steps with adapters
+    assert any(n not in (16, 64) for n in piecewise_calls)
+    decode_calls.clear()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts[:3], params, use_tqdm=False)  # base model only: the plain decode graphs
+    assert decode_calls and not any(lora for _, lora in decode_calls)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 4)[0] for p in prompts[:3]]
+
+
 def test_prefix_cache_is_keyed_by_adapter(tiny):
     path, hf, loras, refs, prompts = tiny
     llm = LLM(path, num_blocks=128, max_num_batched_tokens=256, enable_lora=True, max_loras=2, max_lora_rank=64,
