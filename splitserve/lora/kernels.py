@@ -1,7 +1,7 @@
 """Triton kernels of the LoRA delta: a gathered GEMM over tiles of tokens that share a slot.
 
 The step's layout (lora/ops.py) lists the tokens that have an adapter grouped by slot, each group
-padded to whole tiles of TILE entries (-1: no token). A program takes one tile and a block of
+padded to whole tiles of `tile` entries (lora/ops.py TILE) (-1: no token). A program takes one tile and a block of
 output features, gathers its tokens' rows and multiplies them with its slot's weights:
 
     shrink:  part[k, p, :] = x[row(p), K-part k] @ A[slot]^T[K-part k]   (A [S, shards*R, in], fp32)
@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.lora.ops import TILE
 
 _NO_SHARD = 1 << 30  # first program of a shard that does not exist
 
@@ -110,8 +109,8 @@ def shrink_split(K: int, grid_tiles: int) -> int:
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, tile_slots: torch.Tensor,
-                token_rows: torch.Tensor, grid_tiles: int) -> torch.Tensor:
-    """fp32 partials [split, grid_tiles * TILE, N] of x A[slot]^T by layout entry (rows of unused
+                token_rows: torch.Tensor, grid_tiles: int, tile: int) -> torch.Tensor:
+    """fp32 partials [split, grid_tiles * tile, N] of x A[slot]^T by layout entry (rows of unused
     entries are left unwritten)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -121,18 +120,18 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, 
     BLOCK_K = max(16, min(128, triton.next_power_of_2(K)))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     split_k = triton.cdiv(K, k_per_split)
-    part = torch.empty(split_k, grid_tiles * TILE, N, dtype=torch.float32, device=x.device)
+    part = torch.empty(split_k, grid_tiles * tile, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, BLOCK_N) * split_k, grid_tiles)
     _lora_shrink_kernel[grid](x, lora_a, part, num_tiles, tile_slots, token_rows, N, K, k_per_split,
                               x.stride(0), lora_a.stride(0), lora_a.stride(1), part.stride(0), part.stride(1),
-                              IEEE=x.dtype == torch.float32, BLOCK_M=TILE, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                              IEEE=x.dtype == torch.float32, BLOCK_M=tile, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                               num_warps=4)
     return part
 
 
 def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, num_tiles: torch.Tensor,
                  tile_slots: torch.Tensor, token_rows: torch.Tensor, grid_tiles: int, shard_sizes: list[int],
-                 rank: int) -> None:
+                 rank: int, tile: int) -> None:
     """out[row] += y[row] @ B[slot]^T per token with an adapter, every shard of a merged layer in one
     launch (shard i reads y's columns [i*rank, (i+1)*rank) and writes its own output columns)."""
     if len(shard_sizes) > 3:
@@ -150,4 +149,4 @@ def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, nu
     _lora_expand_kernel[grid](part, lora_b, out, num_tiles, tile_slots, token_rows, sizes[0], sizes[1], sizes[2],
                               p1, p2, n_iters, split_k, part.stride(0), part.stride(1), lora_b.stride(0),
                               lora_b.stride(1), out.stride(0), RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
-                              BLOCK_M=TILE, BLOCK_N=BLOCK_N, num_warps=4)
+                              BLOCK_M=tile, BLOCK_N=BLOCK_N, num_warps=4)

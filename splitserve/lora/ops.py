@@ -124,8 +124,8 @@ def lora_add_impl(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     grid_tiles = max_tiles(x.shape[0], lora_a.shape[0])
     if grid_tiles == 0:
         return
-    part = kernels.lora_shrink(x, lora_a, num_tiles, tile_slots, token_rows, grid_tiles)
-    kernels.lora_expand_(out, part, lora_b, num_tiles, tile_slots, token_rows, grid_tiles, shard_sizes, rank)
+    part = kernels.lora_shrink(x, lora_a, num_tiles, tile_slots, token_rows, grid_tiles, TILE)
+    kernels.lora_expand_(out, part, lora_b, num_tiles, tile_slots, token_rows, grid_tiles, shard_sizes, rank, TILE)
 
 
 def use_kernels_for(out: torch.Tensor) -> bool:
