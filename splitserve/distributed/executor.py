@@ -127,6 +127,7 @@ class _RemoteStep:
     never runs on a pending token: only the core's grammars need a step's tokens before the next
     one is scheduled (its next masks)."""
     sample_requests = None  # the ranks know them; the core cannot check the count here
+    awaiting_mask = None  # the ranks get a step's grammar masks with it, never after
 
     def __init__(self, sched, step_no: int):
         self.sched, self.step_no = sched, step_no
