@@ -109,15 +109,16 @@ def shrink_split(K: int, grid_tiles: int) -> int:
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, tile_slots: torch.Tensor,
-                token_rows: torch.Tensor, grid_tiles: int, tile: int) -> torch.Tensor:
+                token_rows: torch.Tensor, grid_tiles: int, tile: int, split_k: int | None = None,
+                block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
     """fp32 partials [split, grid_tiles * tile, N] of x A[slot]^T by layout entry (rows of unused
-    entries are left unwritten)."""
+    entries are left unwritten). split_k / block_k / num_warps: launch choices (benchmarks sweep them)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     N, K = lora_a.shape[1], lora_a.shape[2]
-    split_k = shrink_split(K, grid_tiles)
+    split_k = shrink_split(K, grid_tiles) if split_k is None else split_k
     BLOCK_N = max(16, min(64, triton.next_power_of_2(N)))
-    BLOCK_K = max(16, min(128, triton.next_power_of_2(K)))
+    BLOCK_K = max(16, min(block_k, triton.next_power_of_2(K)))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     split_k = triton.cdiv(K, k_per_split)
     part = torch.empty(split_k, grid_tiles * tile, N, dtype=torch.float32, device=x.device)
@@ -125,21 +126,23 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, 
     _lora_shrink_kernel[grid](x, lora_a, part, num_tiles, tile_slots, token_rows, N, K, k_per_split,
                               x.stride(0), lora_a.stride(0), lora_a.stride(1), part.stride(0), part.stride(1),
                               IEEE=x.dtype == torch.float32, BLOCK_M=tile, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              num_warps=4)
+                              num_warps=num_warps)
     return part
 
 
 def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, num_tiles: torch.Tensor,
                  tile_slots: torch.Tensor, token_rows: torch.Tensor, grid_tiles: int, shard_sizes: list[int],
-                 rank: int, tile: int) -> None:
+                 rank: int, tile: int, block_n: int = 128, n_iters: int | None = None, num_warps: int = 4) -> None:
     """out[row] += y[row] @ B[slot]^T per token with an adapter, every shard of a merged layer in one
-    launch (shard i reads y's columns [i*rank, (i+1)*rank) and writes its own output columns)."""
+    launch (shard i reads y's columns [i*rank, (i+1)*rank) and writes its own output columns).
+    block_n / n_iters (column blocks per program) / num_warps: launch choices (benchmarks sweep them)."""
     if len(shard_sizes) > 3:
         raise ValueError(f"at most 3 merged shards, got {len(shard_sizes)}")
     assert out.stride(-1) == 1 and lora_b.stride(-1) == 1, "out and lora_b need contiguous rows"
-    BLOCK_N = 128
+    BLOCK_N = block_n
     split_k = part.shape[0]
-    n_iters = max(1, min(4, split_k, triton.cdiv(max(shard_sizes), BLOCK_N)))
+    if n_iters is None:
+        n_iters = max(1, min(4, split_k, triton.cdiv(max(shard_sizes), BLOCK_N)))
     per_program = BLOCK_N * n_iters
     programs = [triton.cdiv(n, per_program) for n in shard_sizes]
     sizes = list(shard_sizes) + [0] * (3 - len(shard_sizes))
@@ -149,4 +152,4 @@ def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, nu
     _lora_expand_kernel[grid](part, lora_b, out, num_tiles, tile_slots, token_rows, sizes[0], sizes[1], sizes[2],
                               p1, p2, n_iters, split_k, part.stride(0), part.stride(1), lora_b.stride(0),
                               lora_b.stride(1), out.stride(0), RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
-                              BLOCK_M=tile, BLOCK_N=BLOCK_N, num_warps=4)
+                              BLOCK_M=tile, BLOCK_N=BLOCK_N, num_warps=num_warps)
