@@ -27,9 +27,9 @@ from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_ref, max
 H, KV, INTER, R, S, LAYERS = 4096, 1024, 14336, 16, 16, 32
 SHAPES = {"qkv": (H, [H, KV, KV]), "o": (H, [H]), "gate_up": (H, [INTER, INTER]), "down": (INTER, [H])}
 SHRINK = [dict(split_k=sk, block_k=bk, num_warps=w) for sk, bk, w in
-          itertools.product([1, 2, 4, 8, 16], [64, 128, 256], [2, 4])]
+          itertools.product([2, 4, 8, 16, 32], [128, 256], [2, 4])]
 EXPAND = [dict(block_n=bn, n_iters=it, num_warps=w) for bn, it, w in
-          itertools.product([64, 128, 256], [1, 2, 4], [2, 4, 8])]
+          itertools.product([128, 256, 512], [1, 2], [2, 4, 8])]
 
 
 def graph_time(fn, reps: int = 20) -> float:
@@ -57,7 +57,8 @@ def main() -> None:
                        (torch.randn(S, sum(sh), R, generator=gen, device=dev) * 0.05).bfloat16())
                       for _ in range(LAYERS)] for name, (K, sh) in SHAPES.items()}
     best_rows, total_rows = [], []
-    for T, case in itertools.product((32, 256), ("one adapter", "16 adapters")):
+    for T, case in [(32, "one adapter"), (32, "16 adapters"), (256, "one adapter"), (256, "16 adapters"),
+                    (2048, "one adapter")]:
         layout, host = LoRALayout(T, S, dev), LoRALayout(T, S, "cpu")
         slots = np.zeros(T, dtype=np.int64) if case == "one adapter" else np.arange(T) % S
         fill_layout(host, slots)
