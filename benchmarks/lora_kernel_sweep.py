@@ -27,9 +27,9 @@ from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_ref, max
 H, KV, INTER, R, S, LAYERS = 4096, 1024, 14336, 16, 16, 32
 SHAPES = {"qkv": (H, [H, KV, KV]), "o": (H, [H]), "gate_up": (H, [INTER, INTER]), "down": (INTER, [H])}
 SHRINK = [dict(split_k=sk, block_k=bk, num_warps=w) for sk, bk, w in
-          itertools.product([4, 8, 16], [128, 256], [2, 4])]
-EXPAND = [dict(block_n=bn, n_iters=1, num_warps=w, low_dot=low) for bn, w, low in
-          itertools.product([128, 256, 512], [2, 4, 8], [False, True])]
+          itertools.product([8, 16], [256], [4])]
+EXPAND = [dict(block_n=bn, n_iters=1, num_warps=w, dot=dot) for bn, w, dot in
+          itertools.product([128, 256, 512], [4, 8], ["tf32", "low"])]
 
 
 def graph_time(fn, reps: int = 20) -> float:

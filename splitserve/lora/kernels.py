@@ -15,13 +15,13 @@ Shrink has a long K (the hidden size) and a short N (the rank): K is split over 
 which write their fp32 partials apart; the last of them to finish (an atomic counter per block,
 re-armed to zero by that program) sums the partials in a fixed order into y, so the result does not
 depend on which finished last (the same sums in the same order for a token whatever else the step
-holds), and expand reads y once. Expand rounds y to the weights' dtype (bf16 / fp16: what peft's
-layers compute in that dtype) and multiplies on tensor cores with fp32 accumulation; fp32 weights
-multiply in IEEE fp32. It adds into the output with one rounding. A merged layer's shards (q/k/v,
-gate/up) are one launch, each program inside one shard. The torch definition of both is in
-lora/ops.py (also the CPU path). On the H100 at 8B shapes (benchmarks/lora_kernel_sweep.py,
+holds), and expand reads y once. Expand multiplies on tensor cores in tf32 for bf16 / fp16 weights
+(y rounded to a 10-bit mantissa, against bf16's 7 that peft's layers round it to in that dtype; fp32
+weights multiply in IEEE fp32) with fp32 accumulation, and adds into the output with one rounding.
+A merged layer's shards (q/k/v, gate/up) are one launch, each program inside one shard. The torch
+definition of both is in lora/ops.py (also the CPU path). On the H100 at 8B shapes (benchmarks/lora_kernel_sweep.py,
 BENCHMARKS.md) the summing program and the tensor-core expand cut the delta of a 256-token step from
-3.1 to 1.4 ms: expand had been bound by the fp32 FMAs, not by memory.
+3.1 to ~1.5 ms: expand had been bound by its fp32 FMAs, not by memory.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, y_ptr, counter_ptr, num_tiles_pt
 def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, num_tiles_ptr, tile_slots_ptr, token_rows_ptr,
                         N0, N1, N2, P1, P2, N_ITERS, SPLIT_K, stride_ps, stride_pm, stride_bs, stride_bn,
                         stride_om, RANK: tl.constexpr, R_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOW_DOT: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     tile = tl.program_id(1)
     if tile < tl.load(num_tiles_ptr):
@@ -113,10 +113,10 @@ def _lora_expand_kernel(part_ptr, b_ptr, out_ptr, num_tiles_ptr, tile_slots_ptr,
             cols = col0 + offs_n
             bt = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None],
                          mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            if LOW_DOT:  # y rounded to the weights' dtype, tensor cores (fp32 accumulation)
+            if DOT == "low":  # y rounded to the weights' dtype, tensor cores (fp32 accumulation)
                 delta = tl.dot(y.to(bt.dtype), bt)
-            else:
-                delta = tl.dot(y, bt.to(tl.float32), input_precision="ieee")
+            else:  # "tf32": y rounded to tf32 (10-bit mantissa), tensor cores; "ieee": fp32 FMAs
+                delta = tl.dot(y, bt.to(tl.float32), input_precision=DOT)
             ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
             mask = mask_m[:, None] & mask_n[None, :]
             cur = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -174,10 +174,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, num_tiles: torch.Tensor, 
 def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, num_tiles: torch.Tensor,
                  tile_slots: torch.Tensor, token_rows: torch.Tensor, grid_tiles: int, shard_sizes: list[int],
                  rank: int, tile: int, block_n: int = 256, n_iters: int = 1, num_warps: int = 4,
-                 low_dot: bool = True) -> None:
+                 dot: str = "tf32") -> None:
     """out[row] += y[row] @ B[slot]^T per token with an adapter, every shard of a merged layer in one
     launch (shard i reads y's columns [i*rank, (i+1)*rank) and writes its own output columns).
-    block_n / n_iters (column blocks per program) / num_warps: launch choices (benchmarks sweep them)."""
+    block_n / n_iters (column blocks per program) / num_warps: launch choices (benchmarks sweep them).
+    dot: how y @ B^T multiplies for bf16/fp16 weights: "tf32" (y rounded to tf32, tensor cores),
+    "low" (y rounded to the weights' dtype), "ieee" (fp32 FMAs); fp32 weights always "ieee"."""
     if len(shard_sizes) > 3:
         raise ValueError(f"at most 3 merged shards, got {len(shard_sizes)}")
     assert out.stride(-1) == 1 and lora_b.stride(-1) == 1, "out and lora_b need contiguous rows"
@@ -192,5 +194,5 @@ def lora_expand_(out: torch.Tensor, part: torch.Tensor, lora_b: torch.Tensor, nu
     _lora_expand_kernel[grid](part, lora_b, out, num_tiles, tile_slots, token_rows, sizes[0], sizes[1], sizes[2],
                               p1, p2, n_iters, split_k, part.stride(0), part.stride(1), lora_b.stride(0),
                               lora_b.stride(1), out.stride(0), RANK=rank, R_PAD=max(16, triton.next_power_of_2(rank)),
-                              BLOCK_M=tile, BLOCK_N=BLOCK_N, LOW_DOT=low_dot and lora_b.dtype != torch.float32,
+                              BLOCK_M=tile, BLOCK_N=BLOCK_N, DOT="ieee" if lora_b.dtype == torch.float32 else dot,
                               num_warps=num_warps)
