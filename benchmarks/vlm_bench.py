@@ -78,7 +78,8 @@ def measure_ttft(llm, args, image_token: int) -> tuple[list[float], int]:
     times, prompt_len = [], 0
     for i in range(args.ttft_warmup + args.ttft_runs):
         lo, hi = vocab_range(llm)
-        ids = [1] + random_ids(rng, 8, lo, hi) + [image_token] + random_ids(rng, args.ttft_prompt_len, lo, hi)
+        # The image right after BOS, as in the throughput prompts (CogVLM accepts it nowhere else).
+        ids = [1, image_token] + random_ids(rng, 8 + args.ttft_prompt_len, lo, hi)
         request = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image_uri(np_rng, 336, 336)]}}
         start = time.perf_counter()
         out = llm.generate(request, params, use_tqdm=False)[0]
