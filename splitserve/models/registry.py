@@ -13,7 +13,22 @@ _MODELS = {
     "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),
     "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
+    "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
 }
+
+# config.json model_type -> (module, function(directory) -> config) for checkpoints whose config
+# transformers cannot read (remote code only).
+_CONFIG_READERS = {
+    "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
+}
+
+
+def own_config_reader(model_type: str | None):
+    """The engine's reader for a remote-code model type, or None."""
+    if model_type not in _CONFIG_READERS:
+        return None
+    module, name = _CONFIG_READERS[model_type]
+    return getattr(importlib.import_module(module), name)
 
 
 def supported_architectures() -> list[str]:
