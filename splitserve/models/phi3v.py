@@ -38,6 +38,7 @@ from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.multimodal.media import MediaError
 from splitserve.multimodal.processor import IMAGE_MARKER, to_device_pixels
 
 # The tower the published code hard-codes: openai/clip-vit-large-patch14-336.
@@ -96,7 +97,7 @@ def hd_size(width: int, height: int, num_crops: int, side: int) -> tuple[int, in
     new_w = int(scale * side)
     new_h = int(new_w / ratio)
     if new_h < 1:
-        raise ValueError(f"image of {width}x{height} is too elongated for {num_crops} HD crops")
+        raise MediaError(f"image of {width}x{height} is too elongated for {num_crops} HD crops")
     padded_h = int(math.ceil(new_h / side) * side)
     if transposed:
         return new_h, new_w, padded_h, new_w
@@ -163,9 +164,9 @@ def tokenize_phi3v_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
     between markers is tokenized with the tokenizer's special tokens, as the published processor does."""
     numbered = [int(n) for n in _NUMBERED_MARKER.findall(text)]
     if numbered and IMAGE_MARKER in text:
-        raise ValueError(f"the prompt mixes <|image_N|> and {IMAGE_MARKER} image markers")
+        raise MediaError(f"the prompt mixes <|image_N|> and {IMAGE_MARKER} image markers")
     if numbered != list(range(1, len(numbered) + 1)):
-        raise ValueError(f"Phi-3-vision image markers must be <|image_1|>, <|image_2|>, ... each once and in "
+        raise MediaError(f"Phi-3-vision image markers must be <|image_1|>, <|image_2|>, ... each once and in "
                          f"order; got {['<|image_%d|>' % n for n in numbered]}")
     chunks = _NUMBERED_MARKER.split(text)[::2] if numbered else text.split(IMAGE_MARKER)
     ids: list[int] = []
