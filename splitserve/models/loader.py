@@ -29,7 +29,7 @@ def load_hf_config(source: ModelSource):
     from splitserve.models.vila import is_vila_dir, load_vila_config
     if source.gguf_file:
         return gguf_hf_config(source.path)
-    own_reader = own_config_reader(_config_model_type(source.directory))
+    own_reader = own_config_reader(*_config_model_type(source.directory))
     if own_reader is not None:
         config = own_reader(source.directory)
     elif is_vila_dir(source.directory):
@@ -47,12 +47,14 @@ def load_hf_config(source: ModelSource):
     return config
 
 
-def _config_model_type(directory: str) -> str | None:
+def _config_model_type(directory: str) -> tuple[str | None, list[str] | None]:
+    """config.json's model_type and architectures (None, None without one)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        return None
+        return None, None
     with open(path) as f:
-        return json.load(f).get("model_type")
+        cfg = json.load(f)
+    return cfg.get("model_type"), cfg.get("architectures")
 
 
 _TEXT_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",

@@ -114,7 +114,11 @@ class MultiModalProcessor:
             out.extend([self.placeholder_id] * img.num_tokens)
             prev = pos + 1
         out.extend(ids[prev:])
-        return MultiModalPrompt(out, items)
+        prompt = MultiModalPrompt(out, items)
+        check = getattr(self.model, "check_mm_prompt", None)  # a model's own layout rules (CogVLM)
+        if check is not None:
+            check(prompt)
+        return prompt
 
     # -- chat ------------------------------------------------------------------------------------
     @staticmethod
