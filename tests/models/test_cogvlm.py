@@ -188,3 +188,51 @@ def test_real_size_config_has_cogvlm_17b_parameter_count():
     glu = d * H + 2 * H + 3 * H * I + 2 * H
     assert total == llama + expert + eva + glu
     assert abs(total / 1e9 - 17.64) < 0.01
+
+
+def test_token_id_prompt_with_the_placeholder_id(setup):
+    """The benchmark contract: one placeholder id in a token-id prompt stands for one image."""
+    llm, ref, tok, _ = setup
+    img = random_image(9, (64, 80))
+    text = "Question: what is it? Answer:"
+    ids = [tok.bos_token_id, llm.engine.mm_processor.placeholder_id] + tok.encode(text, add_special_tokens=False)
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
+    check(out, ref, tok, text, img)
+
+
+@pytest.mark.parametrize("name, cls", [("cogvlm-17b", "CogVLMForCausalLM"), ("phi-3-vision", "Phi3VForCausalLM")])
+def test_tiny_overrides_build_a_small_model_with_the_real_geometry(tmp_path, name, cls):
+    """config.json merged with tiny_overrides.json (nested dicts merged) loads through the engine's
+    config reader and encodes an image into the real number of tokens."""
+    import json
+    import shutil
+    from splitserve.models.loader import load_hf_config
+    from splitserve.models.registry import get_model_class
+    from splitserve.models.resolve import resolve_model
+    from splitserve.multimodal.inputs import ImageItem
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", name)
+
+    def merge(a, b):
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                        for k, v in b.items()}}
+    with open(os.path.join(root, "config.json")) as f, open(os.path.join(root, "tiny_overrides.json")) as g:
+        cfg = merge(json.load(f), json.load(g))
+    for file in os.listdir(root):
+        if file not in ("config.json", "tiny_overrides.json"):
+            shutil.copy(os.path.join(root, file), tmp_path / file)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = load_hf_config(resolve_model(str(tmp_path)))
+    arch, model_cls = get_model_class(config.architectures)
+    assert arch == cls
+    model = model_cls(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 60e6
+    proc = model.load_image_processor(str(tmp_path))
+    out = proc(images=[random_image(1, (336, 336))])
+    pixels = out["pixel_values"][0] if out["pixel_values"].dim() == 5 else out["pixel_values"]
+    size = tuple(out["image_sizes"][0].tolist()) if "image_sizes" in out else (336, 336)
+    n = model.num_image_tokens(pixels.shape[0], size)
+    with torch.inference_mode():
+        feats = model.encode_images([ImageItem("h", pixels, size, n)])[0]
+    assert feats.shape == (n, cfg["hidden_size"])
+    # Phi-3-vision with num_crops 16 scales a square 336 px image up to 4 x 4 crops: 2509 tokens
+    assert n == {"cogvlm-17b": 35 * 35 + 2, "phi-3-vision": 4 * 12 * (4 * 12 + 1) + 1 + 12 * 13}[name]
