@@ -27,9 +27,9 @@ from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_ref, max
 H, KV, INTER, R, S, LAYERS = 4096, 1024, 14336, 16, 16, 32
 SHAPES = {"qkv": (H, [H, KV, KV]), "o": (H, [H]), "gate_up": (H, [INTER, INTER]), "down": (INTER, [H])}
 SHRINK = [dict(split_k=sk, block_k=bk, num_warps=w) for sk, bk, w in
-          itertools.product([2, 4, 8, 16, 32], [128, 256], [2, 4])]
-EXPAND = [dict(block_n=bn, n_iters=it, num_warps=w) for bn, it, w in
-          itertools.product([128, 256, 512], [1, 2], [2, 4, 8])]
+          itertools.product([8, 16], [256], [4])]
+EXPAND = [dict(block_n=bn, n_iters=1, num_warps=w, dot=dot) for bn, w, dot in
+          itertools.product([128, 256, 512], [4, 8], ["tf32", "low"])]
 
 
 def graph_time(fn, reps: int = 20) -> float:

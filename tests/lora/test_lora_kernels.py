@@ -112,8 +112,9 @@ def test_split_k_shrink_is_deterministic_and_rearms_its_counters(gen):
 
 
 def test_shrink_splits_k_less_for_many_tiles():
-    assert kernels.shrink_split(1100, 1) == 4 and kernels.shrink_split(4096, 2) == 16
-    assert kernels.shrink_split(4096, 1024) == 4 and kernels.shrink_split(4096, 5000) == 1
+    assert kernels.shrink_split(1100, 1) == 2 and kernels.shrink_split(4096, 2) == 8
+    assert kernels.shrink_split(14336, 2) == 16 and kernels.shrink_split(4096, 1024) == 4
+    assert kernels.shrink_split(4096, 5000) == 1
 
 
 def test_every_slot_with_one_token_fills_the_tile_bound(gen):
