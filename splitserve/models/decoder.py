@@ -22,7 +22,7 @@ from splitserve.distributed.communication import Intermediate, tp_all_gather
 from splitserve.distributed.parallel_state import pp_group, stage_layers, tp_group
 from splitserve.layers.activation import activation, gated_activation
 from splitserve.layers.cpu_gemm import linear
-from splitserve.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
+from splitserve.layers.norm import GemmaRMSNorm, LayerNorm, LayerNorm1P, RMSNorm
 from splitserve.layers.parallel_linear import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                                QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                local_heads)
@@ -30,7 +30,7 @@ from splitserve.layers.quantization.base import QuantConfig, method_for
 from splitserve.layers.rotary import RotaryEmbedding
 from splitserve.models.families import DecoderSpec, decoder_spec
 
-_NORMS = {"rms": RMSNorm, "gemma_rms": GemmaRMSNorm, "layer": LayerNorm}
+_NORMS = {"rms": RMSNorm, "gemma_rms": GemmaRMSNorm, "layer": LayerNorm, "layer1p": LayerNorm1P}
 
 
 def make_norm(spec: DecoderSpec) -> nn.Module:

@@ -46,7 +46,7 @@ class WeightNames:
 
 @dataclass(frozen=True)
 class Family:
-    norm: str = "rms"                    # rms | gemma_rms (stores w - 1) | layer (LayerNorm with bias)
+    norm: str = "rms"                    # rms | gemma_rms (stores w - 1) | layer (LayerNorm with bias) | layer1p (Nemotron: stores w - 1)
     eps_field: str | None = "rms_norm_eps"  # None: LayerNorm's default 1e-5 (OPT)
     sandwich: bool = False               # Gemma 2: norms after attention and MLP as well as before
     mlp: str = "gated"                   # gated (gate_up_proj, down_proj) | plain (up_proj, down_proj) | moe
@@ -96,6 +96,9 @@ FAMILIES: dict[str, Family] = {
                            **_LLAMA_LAYER, "self_attn.q_layernorm": ("self_attn.q_norm", None),
                            "self_attn.k_layernorm": ("self_attn.k_norm", None)})),
     "mixtral": Family(mlp="moe"),
+    # Nemotron / NVGPT (NeVA's decoder): LayerNorm1P, squared ReLU up/down MLP, partial rotary
+    "nemotron": Family(norm="layer1p", eps_field="norm_eps", mlp="plain", names=WeightNames(
+        layer={k: v for k, v in _LLAMA_LAYER.items() if k.startswith("self_attn")})),
     "qwen2_moe": Family(mlp="moe", qkv_bias="qkv_bias", o_bias=False, mlp_bias=False),
 }
 
@@ -105,6 +108,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "persimmon": "PersimmonForCausalLM",
     "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "nemotron": "NemotronForCausalLM",
 }
 
 

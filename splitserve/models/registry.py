@@ -13,7 +13,25 @@ _MODELS = {
     "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),
     "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
+    "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
+    "CogVLMForCausalLM": ("splitserve.models.cogvlm", "CogVLMForCausalLM"),
 }
+
+# config.json model_type (or architecture) -> (module, function(directory) -> config) for
+# checkpoints whose config transformers cannot read (remote code only).
+_CONFIG_READERS = {
+    "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
+    "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
+}
+
+
+def own_config_reader(model_type: str | None, architectures: list[str] | None = None):
+    """The engine's reader for a remote-code model, or None."""
+    for key in [model_type, *(architectures or [])]:
+        if key in _CONFIG_READERS:
+            module, name = _CONFIG_READERS[key]
+            return getattr(importlib.import_module(module), name)
+    return None
 
 
 def supported_architectures() -> list[str]:

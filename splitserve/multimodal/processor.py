@@ -50,8 +50,13 @@ class MultiModalProcessor:
         self.model = model
         self.tokenizer = tokenizer
         folder = os.path.join(model_directory, getattr(model, "image_processor_subfolder", ""))
-        self.image_processor = load_image_processor(folder)
-        marker_id = tokenizer.convert_tokens_to_ids(IMAGE_MARKER) if tokenizer is not None else None
+        # A model whose processor transformers lacks (remote code: Phi-3-vision) brings its own.
+        own_processor = getattr(model, "load_image_processor", None)
+        self.image_processor = own_processor(folder) if own_processor else load_image_processor(folder)
+        # A model's own prompt format (Phi-3-vision's <|image_N|>): text -> ids with one marker id per image.
+        self.tokenize_prompt = getattr(model, "tokenize_prompt", None)
+        marker = getattr(model, "image_token", IMAGE_MARKER)  # the placeholder's token text
+        marker_id = tokenizer.convert_tokens_to_ids(marker) if tokenizer is not None else None
         unk = getattr(tokenizer, "unk_token_id", None)
         if marker_id == unk:
             marker_id = None
@@ -81,6 +86,8 @@ class MultiModalProcessor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text with `<image>` markers -> ids with one marker id per image. Rendered chat templates
         carry their own BOS, so they are tokenized without special tokens."""
+        if self.tokenize_prompt is not None:
+            return self.tokenize_prompt(self.tokenizer, text, self.placeholder_id)
         if self.marker_is_token or IMAGE_MARKER not in text:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         ids: list[int] = []
@@ -107,7 +114,11 @@ class MultiModalProcessor:
             out.extend([self.placeholder_id] * img.num_tokens)
             prev = pos + 1
         out.extend(ids[prev:])
-        return MultiModalPrompt(out, items)
+        prompt = MultiModalPrompt(out, items)
+        check = getattr(self.model, "check_mm_prompt", None)  # a model's own layout rules (CogVLM)
+        if check is not None:
+            check(prompt)
+        return prompt
 
     # -- chat ------------------------------------------------------------------------------------
     @staticmethod
