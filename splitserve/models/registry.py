@@ -13,6 +13,8 @@ _MODELS = {
     "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),
     "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
+    "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
+    "FuyuForCausalLM": ("splitserve.models.fuyu", "FuyuForCausalLM"),
 }
 
 

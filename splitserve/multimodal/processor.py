@@ -66,6 +66,12 @@ class MultiModalProcessor:
 
     # -- images ----------------------------------------------------------------------------------
     def process_image(self, img) -> ProcessedImage:
+        # Hook: a model whose image processor gives more than pixel tiles (Fuyu's patch grids) turns
+        # one image into (pixel_values, image_size, num_tokens) itself.
+        custom = getattr(self.model, "preprocess_image", None)
+        if custom is not None:
+            pixels, size, n = custom(self.image_processor, img)
+            return ProcessedImage(image_hash(img), pixels.contiguous(), size, n)
         out = self.image_processor(images=[img], return_tensors="pt")
         pixels = out["pixel_values"]
         pixels = pixels[0] if pixels.dim() == 5 else pixels  # anyres: [1, tiles, 3, H, W]
@@ -95,6 +101,12 @@ class MultiModalProcessor:
         """Expands each image marker of the prompt into the image's placeholder tokens."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
+        arrange = getattr(self.model, "arrange_prompt", None)
+        if not marks and images and arrange is not None:
+            # Hook: where a model's own processor puts images in a prompt that names no place for
+            # them (BLIP-2, Fuyu: first); returns the ids with one marker id per image.
+            ids = arrange(ids, len(images), self.placeholder_id)
+            marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
         if len(marks) != len(images):
             raise MediaError(f"the prompt has {len(marks)} image placeholder(s) ({IMAGE_MARKER}) but "
                              f"{len(images)} image(s) were given")
