@@ -28,11 +28,11 @@ def setup(tmp_path_factory):
     return path, tok, hf, blip2_processor(path, tok)
 
 
-def expanded_ids(tok, text: str) -> list[int]:
+def expanded_ids(tok, text: str, add_special_tokens: bool = True) -> list[int]:
     """The prompt's ids with each <image> token repeated once per query token (independent of the engine)."""
     image_id = tok.convert_tokens_to_ids(IMAGE)
     out = []
-    for t in tok.encode(text):
+    for t in tok.encode(text, add_special_tokens=add_special_tokens):
         out.extend([t] * NUM_QUERY if t == image_id else [t])
     return out
 
