@@ -1,6 +1,7 @@
 """Tiny random BLIP-2 (OPT) and Fuyu checkpoints saved by transformers, and their greedy references."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tests.multimodal_reference import IMAGE, _randomize, pil_class
@@ -55,3 +56,103 @@ def hf_greedy(model, max_new_tokens: int, **inputs) -> tuple[list[int], list[flo
     tokens = seq[ids.shape[1]:].tolist() if seq.shape[0] > max_new_tokens else seq.tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
     return tokens, logprobs
+
+
+# -- Fuyu ------------------------------------------------------------------------------------------------
+FUYU_PATCH = 15
+FUYU_CANVAS = {"height": 60, "width": 90}   # at most 4 x 6 patches
+FUYU_TOKENS = ["|SPEAKER|", "|NEWLINE|", "<0x04>"]
+
+
+def fuyu_tokenizer():
+    """The default model's tokenizer plus Fuyu's image, row-end and beginning-of-answer tokens."""
+    from tests.multimodal_reference import mm_tokenizer
+    tok = mm_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE] + FUYU_TOKENS})
+    return tok
+
+
+def make_tiny_fuyu_dir(path, tokenizer, seed: int = 0) -> str:
+    from transformers import FuyuConfig, FuyuForCausalLM
+    text = dict(model_type="persimmon", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, qk_layernorm=True, hidden_act="relu2",
+                max_position_embeddings=1024, layer_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 25000.0, "partial_rotary_factor": 0.5})
+    config = FuyuConfig(text_config=text, patch_size=FUYU_PATCH, image_token_id=tokenizer.convert_tokens_to_ids("|SPEAKER|"))
+    model = FuyuForCausalLM(config)
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    pil_class("FuyuImageProcessor")(size=FUYU_CANVAS, patch_size={"height": FUYU_PATCH, "width": FUYU_PATCH}
+                                    ).save_pretrained(path)
+    return str(path)
+
+
+class _TorchFuyuImages:
+    """The PIL flavour of FuyuImageProcessor returns numpy lists where FuyuProcessor expects the
+    torchvision flavour's tensors; this hands FuyuProcessor tensors and its patchify numpy."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, images, **kwargs):
+        out = self.inner(images)
+        out["images"] = torch.stack([torch.from_numpy(np.stack(batch)) for batch in out["images"]])
+        return out
+
+    def patchify_image(self, image, patch_size=None):
+        return torch.from_numpy(self.inner.patchify_image(np.asarray(image), patch_size=patch_size))
+
+
+def fuyu_reference_inputs(path, tokenizer, text: str, img) -> dict:
+    """transformers' FuyuProcessor grid and patches for one image; its replacement text (rows of
+    |SPEAKER| ending in |NEWLINE|, then <s>) tokenized with this tokenizer's BOS for <s>; the text
+    and <0x04> after it: FuyuProcessor's prompt layout."""
+    import copy
+
+    from transformers import FuyuProcessor
+
+    from splitserve.multimodal.processor import load_image_processor
+    proc = FuyuProcessor(image_processor=load_image_processor(str(path)), tokenizer=copy.deepcopy(tokenizer))
+    proc.image_processor = _TorchFuyuImages(proc.image_processor)
+    images, replacements = proc._process_images([img], return_legacy_image_output=False)
+    run = replacements[0].replace("<s>", tokenizer.bos_token)
+    ids = tokenizer.encode(run + text + "<0x04>", add_special_tokens=False)
+    return {"input_ids": torch.tensor([ids]), "pixel_values": images["pixel_values"][None]}
+
+
+def run_abort_storm(path, make_prompts, num_blocks: int = 14, budget: int = 20) -> None:
+    """Aborts at random moments under preemption (a tight pool) and image runs split across prefill
+    chunks; survivors keep the greedy tokens of an unconstrained engine, and nothing leaks.
+    make_prompts(mm_processor, rng) yields the prompts (token ids, images already expanded)."""
+    import random
+
+    from splitserve import LLM, SamplingParams
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref_llm = LLM(path, num_blocks=512, block_size=8, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    rng = random.Random(3)
+    prompts = list(make_prompts(ref_llm.engine.mm_processor, rng))
+    want = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(path, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=budget, max_num_seqs=8)
+    engine = llm.engine
+    ids = [engine.add_request(f"r{i}", p, params, stream=False) for i, p in enumerate(prompts)]
+    doomed, aborted, finished = set(rng.sample(ids, len(ids) * 2 // 5)), set(), {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+        for rid in sorted(doomed - aborted):
+            if rid in engine.states and rng.random() < 0.2:
+                engine.abort_request(rid)
+                aborted.add(rid)
+    assert engine.scheduler.num_preemptions > 0 and aborted
+    for i, rid in enumerate(ids):
+        if rid not in aborted:
+            assert finished[rid].outputs[0].token_ids == want[i], rid
+    assert engine.kv_manager.pool.is_whole()
+    assert engine.runner.mm.cache.num_pinned() == 0 and engine.runner.mm.cache.is_whole()
+    assert not engine.scheduler.requests and not engine.states

@@ -116,7 +116,10 @@ class MultiModalProcessor:
         for pos, img in zip(marks, images):
             out.extend(ids[prev:pos])
             items.append(ImageItem(img.hash, img.pixel_values, img.image_size, img.num_tokens, len(out)))
-            out.extend([self.placeholder_id] * img.num_tokens)
+            # Hook: a model whose image run holds other tokens than its placeholder (Fuyu's row ends)
+            # gives the run's ids; the embeddings at every position of the run are still the model's.
+            run = getattr(self.model, "image_run_ids", None)
+            out.extend(run(img, self.placeholder_id) if run is not None else [self.placeholder_id] * img.num_tokens)
             prev = pos + 1
         out.extend(ids[prev:])
         return MultiModalPrompt(out, items)

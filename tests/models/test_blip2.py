@@ -6,15 +6,13 @@ two images) are checked against transformers' model given the same expanded ids 
 prompt's images (its masked scatter fills the placeholders in order). One batch mixes them with
 text-only prompts under a small step budget, so query-token runs are split across prefill chunks.
 """
-import random
-
 import pytest
 import torch
 import transformers
 
 from splitserve import LLM, SamplingParams
 from tests.multimodal_reference import IMAGE, mm_tokenizer, random_image
-from tests.zoo_reference import NUM_QUERY, blip2_processor, hf_greedy, make_tiny_blip2_dir
+from tests.zoo_reference import NUM_QUERY, blip2_processor, hf_greedy, make_tiny_blip2_dir, run_abort_storm
 
 NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
@@ -104,40 +102,13 @@ def test_prefix_and_encoder_cache_hits(setup):
 
 
 def test_abort_storm_leaves_pool_and_encoder_cache_whole(setup):
-    """Aborts at random moments under preemption (tight pool) and chunked query-token runs; survivors
-    keep their unconstrained greedy tokens, and nothing leaks."""
-    path = setup[0]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    ref_llm = LLM(path, num_blocks=256, block_size=8, max_num_batched_tokens=2048, enable_prefix_caching=False)
-    mm = ref_llm.engine.mm_processor
-    rng = random.Random(3)
-    pool = [mm.process_image(random_image(200 + i, (40 + 7 * i, 60))) for i in range(4)]
-    prompts = []
-    for i in range(24):
-        kind = i % 3
-        if kind == 1:
-            prompts.append(mm.tokenize(f"Plain text about robot number {i}."))
-        elif kind == 0:
-            prompts.append(mm.build_prompt(f"Question {i}: what? Answer:", rng.sample(pool, 1)))
-        else:
-            prompts.append(mm.build_prompt(f"See <image> then <image> now {i}.", rng.sample(pool, 2)))
-    want = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
-
-    llm = LLM(path, num_blocks=14, block_size=8, max_num_batched_tokens=20, max_num_seqs=8)
-    engine = llm.engine
-    ids = [engine.add_request(f"r{i}", p, params, stream=False) for i, p in enumerate(prompts)]
-    doomed, aborted, finished = set(rng.sample(ids, 10)), set(), {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            finished[out.request_id] = out
-        for rid in sorted(doomed - aborted):
-            if rid in engine.states and rng.random() < 0.2:
-                engine.abort_request(rid)
-                aborted.add(rid)
-    assert engine.scheduler.num_preemptions > 0 and aborted
-    for i, rid in enumerate(ids):
-        if rid not in aborted:
-            assert finished[rid].outputs[0].token_ids == want[i], rid
-    assert engine.kv_manager.pool.is_whole()
-    assert engine.runner.mm.cache.num_pinned() == 0 and engine.runner.mm.cache.is_whole()
-    assert not engine.scheduler.requests and not engine.states
+    def prompts(mm, rng):
+        pool = [mm.process_image(random_image(200 + i, (40 + 7 * i, 60))) for i in range(4)]
+        for i in range(18):
+            if i % 3 == 1:
+                yield mm.tokenize(f"Plain text about robot number {i}.")
+            elif i % 3 == 0:
+                yield mm.build_prompt(f"Question {i}: what? Answer:", rng.sample(pool, 1))
+            else:
+                yield mm.build_prompt(f"See <image> then <image> now {i}.", rng.sample(pool, 2))
+    run_abort_storm(setup[0], prompts)
