@@ -40,3 +40,28 @@ def test_blip2_image_chat_through_the_openai_client(tmp_path):
         assert resp.usage.prompt_tokens == len(ids)
     finally:
         srv.stop()
+
+
+def test_fuyu_image_chat_through_the_openai_client(tmp_path):
+    from tests.zoo_reference import fuyu_reference_inputs, fuyu_tokenizer, hf_greedy, make_tiny_fuyu_dir
+    tok = fuyu_tokenizer()
+    path = make_tiny_fuyu_dir(tmp_path / "tiny-fuyu", tok, seed=13)
+    img = random_image(2, (70, 40))
+    text = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is in this picture?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    # the image part stands where the template put its marker: the image's rows there, no BOS/<0x04>
+    before, after = text.split("<image>")
+    one = fuyu_reference_inputs(path, tok, "", img)
+    run = one["input_ids"][0].tolist()
+    ids = (tok.encode(before, add_special_tokens=False) + run[:run.index(tok.bos_token_id)]
+           + tok.encode(after, add_special_tokens=False))
+    hf = transformers.FuyuForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want, _ = hf_greedy(hf, MAX_TOKENS, input_ids=torch.tensor([ids]), pixel_values=one["pixel_values"])
+    srv, client = serve(path)
+    try:
+        resp = client.chat.completions.create(model="tiny-fuyu", messages=image_message(data_url(img)),
+                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        assert resp.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        assert resp.usage.prompt_tokens == len(ids)
+    finally:
+        srv.stop()
