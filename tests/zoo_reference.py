@@ -156,3 +156,43 @@ def run_abort_storm(path, make_prompts, num_blocks: int = 14, budget: int = 20) 
     assert engine.kv_manager.pool.is_whole()
     assert engine.runner.mm.cache.num_pinned() == 0 and engine.runner.mm.cache.is_whole()
     assert not engine.scheduler.requests and not engine.states
+
+
+# -- Kosmos-2 --------------------------------------------------------------------------------------------
+KOSMOS_SIDE = 56
+KOSMOS_QUERIES = 64
+
+
+def kosmos2_processor(image_processor=None, tokenizer=None):
+    """transformers' Kosmos2Processor on the default model's tokenizer (it adds Kosmos-2's tag and
+    1024 patch-index tokens). The unknown token (image slot ids start after it) is moved to id 100
+    and padding to id 0, so the 64 slot ids 101..164 never include the padding id (positions skip it)."""
+    from transformers import Kosmos2Processor
+
+    from splitserve.models.resolve import load_tokenizer
+    if tokenizer is None:
+        tokenizer = load_tokenizer(None)
+        tokenizer.unk_token = tokenizer.convert_ids_to_tokens(100)
+        tokenizer.pad_token = "<|endoftext|>"
+    if image_processor is None:
+        image_processor = pil_class("CLIPImageProcessor")(size={"height": KOSMOS_SIDE, "width": KOSMOS_SIDE},
+                                                          do_center_crop=False)
+    return Kosmos2Processor(image_processor, tokenizer)
+
+
+def make_tiny_kosmos2_dir(path, seed: int = 0):
+    from transformers import Kosmos2Config, Kosmos2ForConditionalGeneration
+    proc = kosmos2_processor()
+    tok = proc.tokenizer
+    config = Kosmos2Config(
+        text_config=dict(vocab_size=len(tok), embed_dim=64, layers=2, ffn_dim=128, attention_heads=4,
+                         max_position_embeddings=1024, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, scale_embedding=True, activation_function="gelu"),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=KOSMOS_SIDE, patch_size=14),
+        latent_query_num=KOSMOS_QUERIES)
+    model = Kosmos2ForConditionalGeneration(config)
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    proc.save_pretrained(path)
+    return str(path), proc

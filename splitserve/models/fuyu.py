@@ -13,8 +13,6 @@ Prompt layout (transformers' FuyuProcessor): the image runs, BOS, the text, then
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Iterable
 
 import numpy as np
@@ -23,27 +21,11 @@ from torch import nn
 
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor
+from splitserve.models.checkpoint_tokens import checkpoint_token_id
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 
-# Ids of the released fuyu-8b vocabulary, used when the checkpoint folder has no tokenizer to ask.
-_DEFAULT_IDS = {"|NEWLINE|": 71019, "<0x04>": 7}
-
-
-def _vocab_id(config, token: str) -> int:
-    """A token's id from the tokenizer.json beside the config (the model is built from its config
-    alone, in the engine core as on the front); the released vocabulary's id where there is none."""
-    directory = getattr(config, "_name_or_path", "") or ""
-    path = os.path.join(directory, "tokenizer.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            tok = json.load(f)
-        for added in tok.get("added_tokens") or []:
-            if added.get("content") == token:
-                return int(added["id"])
-        vocab = (tok.get("model") or {}).get("vocab")
-        if isinstance(vocab, dict) and token in vocab:
-            return int(vocab[token])
-    return _DEFAULT_IDS[token]
+# Ids of the released fuyu-8b vocabulary, for a checkpoint folder without a tokenizer to ask.
+_NEWLINE_ID, _ANSWER_ID = 71019, 7
 
 
 class FuyuForCausalLM(VisionLanguageModel):
@@ -57,8 +39,8 @@ class FuyuForCausalLM(VisionLanguageModel):
         self.vision_embed_tokens = Linear(config.patch_size * config.patch_size * config.num_channels,
                                           config.text_config.hidden_size, bias=True)
         self.image_token_id = config.image_token_id  # |SPEAKER|
-        self.newline_id = getattr(config, "image_newline_id", None) or _vocab_id(config, "|NEWLINE|")
-        self.answer_id = _vocab_id(config, "<0x04>")
+        self.newline_id = getattr(config, "image_newline_id", None) or checkpoint_token_id(config, "|NEWLINE|", _NEWLINE_ID)
+        self.answer_id = checkpoint_token_id(config, "<0x04>", _ANSWER_ID)
         self.bos_id = config.text_config.bos_token_id
 
     # -- images ----------------------------------------------------------------------------------

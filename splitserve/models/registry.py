@@ -15,6 +15,7 @@ _MODELS = {
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
     "FuyuForCausalLM": ("splitserve.models.fuyu", "FuyuForCausalLM"),
+    "Kosmos2ForConditionalGeneration": ("splitserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
 }
 
 

@@ -99,7 +99,14 @@ class MultiModalProcessor:
 
     def build_prompt(self, prompt: str | list[int], images: list[ProcessedImage]) -> MultiModalPrompt:
         """Expands each image marker of the prompt into the image's placeholder tokens."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        format_text = getattr(self.model, "format_prompt", None)
+        if isinstance(prompt, str) and format_text is not None:
+            # Hook: a model whose processor rewrites the prompt text (Kosmos-2: BOS and the image
+            # markers written out, no EOS) says how, and whether to add special tokens after it.
+            prompt, special = format_text(prompt, len(images), self.tokenizer)
+            ids = self.tokenize(prompt, add_special_tokens=special)
+        else:
+            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
         arrange = getattr(self.model, "arrange_prompt", None)
         if not marks and images and arrange is not None:
