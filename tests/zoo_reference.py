@@ -165,14 +165,15 @@ KOSMOS_QUERIES = 64
 
 def kosmos2_processor(image_processor=None, tokenizer=None):
     """transformers' Kosmos2Processor on the default model's tokenizer (it adds Kosmos-2's tag and
-    1024 patch-index tokens). The unknown token (image slot ids start after it) is moved to id 100
-    and padding to id 0, so the 64 slot ids 101..164 never include the padding id (positions skip it)."""
+    1024 patch-index tokens). The unknown token (image slot ids start after it) is <|im_end|> (id 2)
+    and padding <|endoftext|> (id 0), so the 64 slot ids 3..66 never include the padding id
+    (transformers' positions skip padding ids)."""
     from transformers import Kosmos2Processor
 
     from splitserve.models.resolve import load_tokenizer
     if tokenizer is None:
         tokenizer = load_tokenizer(None)
-        tokenizer.unk_token = tokenizer.convert_ids_to_tokens(100)
+        tokenizer.unk_token = "<|im_end|>"
         tokenizer.pad_token = "<|endoftext|>"
     if image_processor is None:
         image_processor = pil_class("CLIPImageProcessor")(size={"height": KOSMOS_SIDE, "width": KOSMOS_SIDE},

@@ -70,7 +70,8 @@ class EngineFront:
             spec.config, model=dataclasses.replace(spec.config.model, eos_token_ids=tuple(sorted(eos))))
         self.mm_processor = mm_processor
         self.kv_capacity_tokens = num_blocks * block_size
-        self.output_processor = OutputProcessor(tokenizer, stream_interval)
+        self.output_processor = OutputProcessor(
+            tokenizer, stream_interval, getattr(getattr(mm_processor, "model", None), "postprocess_text", None))
         self._ids = itertools.count()
         from splitserve.lora.registry import LoRARegistry
         # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.
@@ -90,7 +91,8 @@ class EngineFront:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = (self.mm_processor.text_prompt_ids(prompt) if self.mm_processor is not None
+                   else self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
             ids = list(prompt)
         return ids if k is None else self.truncate(ids, k)

@@ -97,6 +97,14 @@ class MultiModalProcessor:
                 ids.extend(self.tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
         return ids
 
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """A text prompt without images, as the model's own processor would tokenize it."""
+        format_text = getattr(self.model, "format_prompt", None)
+        if format_text is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=True))
+        text, special = format_text(text, 0, self.tokenizer)
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
     def build_prompt(self, prompt: str | list[int], images: list[ProcessedImage]) -> MultiModalPrompt:
         """Expands each image marker of the prompt into the image's placeholder tokens."""
         format_text = getattr(self.model, "format_prompt", None)
