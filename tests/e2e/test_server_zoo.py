@@ -65,3 +65,28 @@ def test_fuyu_image_chat_through_the_openai_client(tmp_path):
         assert resp.usage.prompt_tokens == len(ids)
     finally:
         srv.stop()
+
+
+def test_kosmos2_grounding_through_the_openai_client(tmp_path):
+    """A chat with an image and a choice constraint that forces location tokens: the reply's text
+    keeps them, and the choice's extra `grounding` field is transformers' post-processing of it."""
+    from tests.models.test_kosmos2 import GROUNDED
+    from tests.zoo_reference import make_tiny_kosmos2_dir
+    path, proc = make_tiny_kosmos2_dir(tmp_path / "tiny-kosmos2", seed=14)
+    srv, client = serve(path)
+    try:
+        resp = client.chat.completions.create(
+            model="tiny-kosmos2", messages=image_message(data_url(random_image(3, (64, 64))), text="<grounding> Look"),
+            max_tokens=40, temperature=0, extra_body={"structured_outputs": {"choice": [GROUNDED]}})
+        choice = resp.choices[0]
+        assert "<patch_index_0044>" in choice.message.content
+        cleaned, entities = proc.post_process_generation(choice.message.content)
+        grounding = choice.model_extra["grounding"]
+        assert grounding["text"] == cleaned
+        assert [(e["phrase"], tuple(e["span"]), [tuple(b) for b in e["boxes"]]) for e in grounding["entities"]] == \
+            [(p, tuple(s), [tuple(b) for b in boxes]) for p, s, boxes in entities]
+        # text-only requests to the same server carry it too (no entities)
+        plain = client.completions.create(model="tiny-kosmos2", prompt="Hello there", max_tokens=3, temperature=0)
+        assert plain.choices[0].model_extra["grounding"]["entities"] == []
+    finally:
+        srv.stop()
