@@ -119,6 +119,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "persimmon": "PersimmonForCausalLM",
     "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "kosmos_2_text_model": "Kosmos2TextForCausalLM",  # Kosmos-2's language model, alone
 }
 
 

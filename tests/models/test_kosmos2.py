@@ -128,3 +128,31 @@ def test_grounding_matches_transformers_post_processing(setup):
     assert [(e["phrase"], tuple(e["span"]), [tuple(b) for b in e["boxes"]]) for e in out.grounding["entities"]] == \
         [(p, tuple(s), [tuple(b) for b in boxes]) for p, s, boxes in entities]
     assert entities and entities[0][0] == "a snowman"
+
+
+def test_text_decoder_alone_matches_transformers(tmp_path):
+    """The kosmos_2_text_model family as a text model (Kosmos2TextForCausalLM checkpoint): random
+    prompts through the engine, greedy tokens and logprobs as transformers'."""
+    import random
+
+    from transformers import Kosmos2TextConfig
+    from transformers.models.kosmos2.modeling_kosmos2 import Kosmos2TextForCausalLM
+
+    from splitserve.models.resolve import load_tokenizer
+    from tests.hf_reference import assert_greedy_like_hf
+    from tests.multimodal_reference import _randomize
+    tok = load_tokenizer(None)
+    config = Kosmos2TextConfig(vocab_size=len(tok), embed_dim=64, layers=2, ffn_dim=128, attention_heads=4,
+                               max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                               scale_embedding=True)
+    hf = Kosmos2TextForCausalLM(config).eval()
+    _randomize(hf, 9)
+    hf.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, len(tok)) for _ in range(rng.randrange(3, 60))] for _ in range(6)]
+    llm = LLM(str(tmp_path), num_blocks=64, block_size=8, max_num_batched_tokens=96)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    assert_greedy_like_hf(hf, prompts, outs, 16)
+    assert llm.engine.kv_manager.pool.is_whole()
