@@ -197,3 +197,18 @@ def make_tiny_kosmos2_dir(path, seed: int = 0):
     model.save_pretrained(path)
     proc.save_pretrained(path)
     return str(path), proc
+
+
+def generate_on_piecewise_path(path, requests, params):
+    """Runs requests with every step on the piecewise-graph path (its segments, static buffers and
+    bucket padding, without graphs on CPU): steps with image tokens start from the embeddings buffer."""
+    from splitserve import LLM
+    from splitserve.worker.cuda_graphs import PiecewiseGraphs
+    llm = LLM(path, num_blocks=128, block_size=16, max_num_batched_tokens=32)
+    runner = llm.engine.runner
+    runner.piecewise = PiecewiseGraphs(runner.model, [8, 32], runner.device, use_graphs=False)
+    assert runner.piecewise.accepts_embeds
+    outs = llm.generate(requests, params, use_tqdm=False)
+    assert runner.steps_by_path["piecewise"] > 0 and runner.steps_by_path["eager"] == 0
+    assert llm.engine.kv_manager.pool.is_whole() and runner.mm.cache.is_whole()
+    return outs

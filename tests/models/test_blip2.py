@@ -112,3 +112,13 @@ def test_abort_storm_leaves_pool_and_encoder_cache_whole(setup):
             else:
                 yield mm.build_prompt(f"See <image> then <image> now {i}.", rng.sample(pool, 2))
     run_abort_storm(setup[0], prompts)
+
+
+def test_piecewise_graph_path_matches_transformers(setup):
+    from tests.zoo_reference import generate_on_piecewise_path
+    images = [[random_image(70 + j, size) for j, size in enumerate(sizes)] for _, sizes in PROMPTS[:2]]
+    requests = [{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+                for (text, _), imgs in zip(PROMPTS[:2], images)]
+    outs = generate_on_piecewise_path(setup[0], requests, PARAMS)
+    for (text, _), imgs, out in zip(PROMPTS[:2], images, outs):
+        assert out.outputs[0].token_ids == reference(setup, text, imgs)[1], text

@@ -156,3 +156,13 @@ def test_text_decoder_alone_matches_transformers(tmp_path):
                         use_tqdm=False)
     assert_greedy_like_hf(hf, prompts, outs, 16)
     assert llm.engine.kv_manager.pool.is_whole()
+
+
+def test_piecewise_graph_path_matches_transformers(setup):
+    from tests.zoo_reference import generate_on_piecewise_path
+    images = [[random_image(70 + j, size) for j, size in enumerate(sizes)] for _, sizes in PROMPTS[:2]]
+    requests = [{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+                for (text, _), imgs in zip(PROMPTS[:2], images)]
+    outs = generate_on_piecewise_path(setup[0], requests, PARAMS)
+    for (text, _), imgs, out in zip(PROMPTS[:2], images, outs):
+        assert out.outputs[0].token_ids == reference(setup, text, imgs)[1], text
