@@ -67,6 +67,7 @@ def test_fuyu_image_chat_through_the_openai_client(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow  # a third server start: keeps the file's fast tier under a minute
 def test_kosmos2_grounding_through_the_openai_client(tmp_path):
     """A chat with an image and a choice constraint that forces location tokens: the reply's text
     keeps them, and the choice's extra `grounding` field is transformers' post-processing of it."""
