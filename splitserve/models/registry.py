@@ -15,6 +15,9 @@ _MODELS = {
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "CogVLMForCausalLM"),
+    "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
+    "FuyuForCausalLM": ("splitserve.models.fuyu", "FuyuForCausalLM"),
+    "Kosmos2ForConditionalGeneration": ("splitserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
 }
 
 # config.json model_type (or architecture) -> (module, function(directory) -> config) for
