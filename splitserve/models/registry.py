@@ -13,6 +13,8 @@ _MODELS = {
     "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),
     "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
+    # encoder-decoder models (cross-attention: attention/cross.py)
+    "T5ForConditionalGeneration": ("splitserve.models.t5", "T5ForConditionalGeneration"),
 }
 
 
