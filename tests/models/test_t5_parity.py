@@ -10,6 +10,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.models.resolve import load_tokenizer
+from tests.t5_reference import assert_like_hf, hf_t5_greedy, make_tiny_t5
 
 NEW_TOKENS = 12
 
@@ -25,43 +26,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(None)
-
-
-def make_tiny_t5(path, tokenizer, seed: int, **overrides) -> str:
-    from transformers import T5Config, T5ForConditionalGeneration
-    config = T5Config(vocab_size=len(tokenizer), d_model=64, d_kv=8, d_ff=96, num_layers=3, num_decoder_layers=2,
-                      num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                      dropout_rate=0.0, initializer_factor=1.5, decoder_start_token_id=0, pad_token_id=0,
-                      eos_token_id=tokenizer.eos_token_id, **overrides)
-    torch.manual_seed(seed)
-    model = T5ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # norms start as ones: make them matter too
-        for name, param in model.named_parameters():
-            if "layer_norm" in name:
-                param.add_(torch.randn_like(param) * 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-@torch.inference_mode()
-def hf_t5_greedy(model, encoder_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([encoder_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, 1:].tolist()  # after the decoder start token
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def assert_like_hf(hf, prompts, outs, atol=2e-4):
-    for prompt, out in zip(prompts, outs, strict=True):
-        ref_tokens, ref_logprobs = hf_t5_greedy(hf, prompt, NEW_TOKENS)
-        comp = out.outputs[0]
-        assert comp.token_ids == ref_tokens, f"encoder length {len(prompt)}"
-        got = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
-        assert got == pytest.approx(ref_logprobs, abs=atol)
-        assert max(abs(x) for x in ref_logprobs) > 1e-2, "saturated logits would make the logprob check vacuous"
 
 
 def _prompts(vocab: int, lengths: tuple[int, int], n: int, seed: int) -> list[list[int]]:
@@ -86,5 +50,42 @@ def test_t5_mixed_encoder_lengths_match_transformers(t5_dir, tokenizer):
     prompts = _prompts(len(tokenizer), (3, 70), 7, seed=1)
     llm = LLM(path, num_blocks=128, block_size=8, max_num_batched_tokens=96, attention_backend="torch_ref")
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    assert_like_hf(hf, prompts, outs)
+    assert_like_hf(hf, prompts, outs, NEW_TOKENS)
     assert llm.engine.kv_manager.pool.is_whole()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_t5_preemption_and_abort_storm(t5_dir, tokenizer, async_scheduling):
+    """A pool too small for the batch (preemptions free both groups; encoders run again) with a
+    random subset aborted wherever they are: survivors get transformers' greedy tokens, nothing leaks."""
+    path, hf = t5_dir
+    rng = random.Random(7)
+    prompts = _prompts(len(tokenizer), (3, 40), 24, seed=2)
+    llm = LLM(path, num_blocks=16, block_size=8, max_num_batched_tokens=64, max_num_seqs=8,
+              attention_backend="torch_ref", async_scheduling=async_scheduling)
+    engine = llm.engine
+    ids = [engine.add_request(f"r{i}", p, PARAMS, stream=False) for i, p in enumerate(prompts)]
+    doomed = set(rng.sample(ids, 8))
+    finished, aborted = {}, set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+        live = [i for i in doomed if i in engine.states]
+        for rid in rng.sample(live, min(len(live), rng.randrange(0, 2))):
+            engine.abort_request(rid)
+            aborted.add(rid)
+    assert engine.scheduler.num_preemptions > 0
+    survivors = [i for i, rid in enumerate(ids) if rid not in aborted]
+    assert_like_hf(hf, [prompts[i] for i in survivors], [finished[ids[i]] for i in survivors], NEW_TOKENS)
+    assert engine.kv_manager.pool.is_whole()
+    assert not engine.scheduler.requests and not engine.states
+    assert not engine.core.runner.encdec.inputs  # the worker dropped every encoder input
+
+
+def test_t5_bad_input_is_a_clear_error(t5_dir):
+    path, _ = t5_dir
+    llm = LLM(path, num_blocks=32, block_size=8, max_num_batched_tokens=32, attention_backend="torch_ref")
+    with pytest.raises(ValueError, match="encoder-decoder model runs a request's encoder in one step"):
+        llm.generate([list(range(3, 40))], PARAMS, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        llm.generate([[5, 10 ** 9]], PARAMS, use_tqdm=False)
