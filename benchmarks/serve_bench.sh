@@ -2,7 +2,8 @@
 # Serving benchmark on the device: `splitserve serve` (Llama-3-8B shape, random bf16 weights) driven by
 # `splitserve bench serve` with the random dataset (1024 in / 128 out, ignore_eos) at fixed rates and
 # inf, a fresh seed per run, then a synthetic-sharegpt sweep. Results go to ${OUT:-.}.
-#   usage: [SERVER_ARGS="--quantization fp8"] [RATES='4 16 24 inf'] [SWEEP=1] [CFG=dir] [PROFILE_RATE=16] benchmarks/serve_bench.sh [NUM_PROMPTS]
+#   usage: [SERVER_ARGS="--quantization fp8"] [CLIENT_ARGS="--lora-modules a0"] [RATES='4 16 24 inf'] [SWEEP=1]
+#          [CFG=dir] [PROFILE_RATE=16] benchmarks/serve_bench.sh [NUM_PROMPTS]
 # CFG: the model directory (config.json, and a tokenizer beside it or the default model's).
 # PROFILE_RATE: while that rate runs, py-spy samples the server and its children (the engine core
 # process) into $OUT/profile_<rate>.txt (collapsed stacks, one line per stack with its sample count).
@@ -16,7 +17,7 @@ python -m splitserve serve $cfg --random-weights --dtype bfloat16 --max-model-le
 server=$!
 for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; kill -0 $server 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }; sleep 1; done
 grep -E "ready|fast path|captured" "$out/server.log"
-common="--base-url http://127.0.0.1:$port --tokenizer $cfg --ignore-eos --disable-tqdm"
+common="--base-url http://127.0.0.1:$port --tokenizer $cfg --ignore-eos --disable-tqdm ${CLIENT_ARGS:-}"
 seed=${SEED:-$RANDOM}
 for rate in ${RATES:-4 16 inf}; do
   seed=$((seed + 1))

@@ -1,21 +1,29 @@
-"""Vision-language serving figures on a LLaVA-1.5-7B-shaped model with random weights (no download):
+"""Vision-language serving figures for a config directory with random weights (no download):
 
   * time to first token for one 336x336 image + a short prompt (median of several runs; each run uses
     a fresh image and fresh text, so neither the encoder cache nor the prefix cache helps);
   * offline throughput for N requests from the benchmark client's `random-mm` dataset (one image
-    each, text length from --input-len, --output-len generated tokens, ignore_eos).
+    each, text length from --input-len, --output-len generated tokens, ignore_eos): images/s and
+    output tok/s;
+  * the same engine on text-only prompts of the same token lengths (its language model alone), and
+    the VLM's throughput as a share of that (the issue's target: >= 90%);
+  * the share of forward steps that replayed CUDA graphs (decode graphs, piecewise graphs, eager).
 
-Image preprocessing (HF CLIP processor) is included in TTFT and reported separately for the
-throughput run, whose timer covers the engine only.
+Image preprocessing (the model's HF image processor) is included in TTFT and reported separately for
+the throughput run, whose timer covers the engine only. An image is marked in the token-id prompts by
+`mm_processor.placeholder_id`, which every VLM provides.
 
     python benchmarks/vlm_bench.py                      # GPU, benchmarks/configs/llava-1.5-7b
+    python benchmarks/vlm_bench.py --model benchmarks/configs/fuyu-8b --num-prompts 1000
     python benchmarks/vlm_bench.py --tiny --num-prompts 8 --ttft-runs 3 --output-len 8   # CPU check
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,26 +34,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llava-1.5-7b")
 
 
-def write_tiny_config(directory: str) -> str:
-    """A LLaVA-1.5-shaped model small enough for a CPU: same tower geometry (336 px, 14 px patches,
-    576 image tokens), tiny widths and depths. Only config files are written; weights are random."""
-    import json
-    import shutil
-    with open(os.path.join(DEFAULT_CONFIG, "config.json")) as f:
+def merge(base: dict, overrides: dict) -> dict:
+    for key, value in overrides.items():
+        base[key] = merge(base.get(key, {}), value) if isinstance(value, dict) else value
+    return base
+
+
+def write_tiny_config(model_dir: str, directory: str) -> str:
+    """The model's config with its tiny_overrides.json merged in (tiny widths and depths, the same
+    image geometry), and its other files (processor configs) copied. Weights are random."""
+    with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    cfg["text_config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=4)
-    cfg["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
-    cfg["torch_dtype"] = "float32"
+    with open(os.path.join(model_dir, "tiny_overrides.json")) as f:
+        merge(cfg, json.load(f))
+    for name in os.listdir(model_dir):
+        if name not in ("config.json", "tiny_overrides.json"):
+            shutil.copy(os.path.join(model_dir, name), directory)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f)
-    shutil.copy(os.path.join(DEFAULT_CONFIG, "preprocessor_config.json"), directory)
     return directory
+
+
+AVOID: set[int] = set()  # ids that mean something to the processor (the image marker)
 
 
 def random_ids(rng: random.Random, n: int, lo: int = 1000, hi: int = 31000) -> list[int]:
     # The config ships no tokenizer (random weights): prompts are token ids drawn inside the vocabulary.
-    return [rng.randrange(lo, hi) for _ in range(n)]
+    ids = []
+    while len(ids) < n:
+        i = rng.randrange(lo, hi)
+        if i not in AVOID:
+            ids.append(i)
+    return ids
 
 
 def measure_ttft(llm, args, image_token: int) -> tuple[list[float], int]:
@@ -57,7 +77,8 @@ def measure_ttft(llm, args, image_token: int) -> tuple[list[float], int]:
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times, prompt_len = [], 0
     for i in range(args.ttft_warmup + args.ttft_runs):
-        ids = [1] + random_ids(rng, 8) + [image_token] + random_ids(rng, args.ttft_prompt_len)
+        lo, hi = vocab_range(llm)
+        ids = [1] + random_ids(rng, 8, lo, hi) + [image_token] + random_ids(rng, args.ttft_prompt_len, lo, hi)
         request = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image_uri(np_rng, 336, 336)]}}
         start = time.perf_counter()
         out = llm.generate(request, params, use_tqdm=False)[0]
@@ -68,7 +89,13 @@ def measure_ttft(llm, args, image_token: int) -> tuple[list[float], int]:
     return times, prompt_len
 
 
-def measure_throughput(llm, args, image_token: int) -> dict:
+def vocab_range(llm) -> tuple[int, int]:
+    vocab = llm.engine.config.model.vocab_size
+    return min(1000, vocab // 4), min(31000, vocab - 1)
+
+
+def measure_throughput(llm, args, image_token: int, text_only_lengths: list[int] | None = None) -> dict:
+    """Images in every prompt, or (text_only_lengths) text-only prompts of those token lengths."""
     import numpy as np
 
     from splitserve.bench.datasets import parse_size, random_mm_requests
@@ -77,26 +104,42 @@ def measure_throughput(llm, args, image_token: int) -> dict:
     np_rng = np.random.default_rng(args.seed)
     samples = random_mm_requests(llm.tokenizer, args.num_prompts, args.input_len, 0.0, args.output_len, 0.0,
                                  np_rng, num_images=1, size=parse_size(args.image_size))
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed + (1 if text_only_lengths else 0))
+    lo, hi = vocab_range(llm)
     start = time.perf_counter()
-    prompts = [offline_prompt(llm.engine, {"prompt_token_ids": [1, image_token] + random_ids(rng, s.prompt_len),
-                                           "multi_modal_data": {"image": s.images}}) for s in samples]
+    if text_only_lengths:
+        prompts = [{"prompt_token_ids": [1] + random_ids(rng, n - 1, lo, hi)} for n in text_only_lengths]
+    else:
+        prompts = [offline_prompt(llm.engine, {"prompt_token_ids": [1, image_token] + random_ids(rng, s.prompt_len, lo, hi),
+                                               "multi_modal_data": {"image": s.images}}) for s in samples]
     preprocess_s = time.perf_counter() - start
     params = [SamplingParams(max_tokens=s.output_len, temperature=0, ignore_eos=True) for s in samples]
+    runner = llm.engine.runner
+    paths_before = dict(runner.steps_by_path)
+    encoded_before = runner.mm.num_images_encoded
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(p) for p in prompts)
+    lengths = [len(o.prompt_token_ids) for o in outs]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    paths = {k: v - paths_before[k] for k, v in runner.steps_by_path.items()}
     return {"elapsed_s": elapsed, "preprocess_s": preprocess_s, "requests_per_s": len(prompts) / elapsed,
-            "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
-            "mean_prompt_tokens": n_in / len(prompts), "images_encoded": llm.engine.runner.mm.num_images_encoded}
+            "output_tok_s": n_out / elapsed, "total_tok_s": (sum(lengths) + n_out) / elapsed,
+            "prompt_lengths": lengths, "mean_prompt_tokens": sum(lengths) / len(prompts), "paths": paths,
+            "images_encoded": runner.mm.num_images_encoded - encoded_before}
+
+
+def path_shares(paths: dict) -> str:
+    total = max(1, sum(paths.values()))
+    return ", ".join(f"{k} {v} ({100 * v / total:.0f}%)" for k, v in paths.items())
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_CONFIG, help="config directory (random weights)")
-    p.add_argument("--tiny", action="store_true", help="a tiny model of the same image geometry (CPU check)")
+    p.add_argument("--tiny", action="store_true",
+                   help="merge the directory's tiny_overrides.json: a tiny model, same image geometry (CPU check)")
+    p.add_argument("--no-text-only", action="store_true", help="skip the text-only run of the same lengths")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
@@ -116,16 +159,18 @@ def main(argv=None) -> int:
 
     from splitserve.engine.llm import LLM
     tmp = tempfile.TemporaryDirectory() if args.tiny else None
-    model = write_tiny_config(tmp.name) if tmp else args.model
+    model = write_tiny_config(args.model, tmp.name) if tmp else args.model
     t0 = time.perf_counter()
     llm = LLM(model, random_weights=True, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     start_s = time.perf_counter() - t0
     image_token = llm.engine.mm_processor.placeholder_id
+    AVOID.add(image_token)
     cfg = llm.engine.config
 
     ttfts, ttft_prompt_len = measure_ttft(llm, args, image_token)
     tp = measure_throughput(llm, args, image_token)
+    text = None if args.no_text_only else measure_throughput(llm, args, image_token, tp["prompt_lengths"])
     assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
 
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
@@ -138,8 +183,17 @@ def main(argv=None) -> int:
         (f"throughput, {args.num_prompts} random-mm requests",
          f"{tp['requests_per_s']:.2f} req/s, {tp['output_tok_s']:.1f} output tok/s, {tp['total_tok_s']:.1f} total tok/s"),
         ("  run", f"{tp['elapsed_s']:.2f} s engine; {tp['preprocess_s']:.2f} s image preprocessing (not in the rate); "
-         f"{tp['mean_prompt_tokens']:.0f} prompt tokens/request incl. 576 image tokens; output {args.output_len}"),
+         f"{tp['mean_prompt_tokens']:.0f} prompt tokens/request; output {args.output_len}; "
+         f"{tp['images_encoded']} images encoded, {tp['images_encoded'] / tp['elapsed_s']:.1f} images/s"),
+        ("  steps", path_shares(tp["paths"])),
     ]
+    if text:
+        rows += [
+            ("text-only, same prompt lengths", f"{text['requests_per_s']:.2f} req/s, {text['output_tok_s']:.1f} output tok/s, "
+             f"{text['total_tok_s']:.1f} total tok/s ({text['elapsed_s']:.2f} s)"),
+            ("  steps", path_shares(text["paths"])),
+            ("VLM / text-only output tok/s", f"{tp['output_tok_s'] / text['output_tok_s']:.3f}"),
+        ]
     width = max(len(r[0]) for r in rows)
     print("-" * (width + 60))
     for name, value in rows:

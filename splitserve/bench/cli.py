@@ -29,6 +29,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="server address, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     g.add_argument("--model", default=None,
                    help="model name to send; default: the first model the server lists at /v1/models")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves under these names: request i names adapter i mod N "
+                        "(round robin, so a run spreads evenly over them)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions or /v1/chat/completions")
     g.add_argument("--tokenizer", default=None,
@@ -180,6 +183,12 @@ def _prepare(args):
         if len(samples) < n:
             _note(f"only {len(samples)} of {len(pairs)} conversations pass the length filter; "
                   f"running {len(samples)} requests, not {n}")
+    if args.lora_modules:
+        missing = [name for name in args.lora_modules if models and name not in models]
+        if missing:
+            _note(f"warning: LoRA modules {missing} are not among the served models {models}; sending them anyway")
+        for i, sample in enumerate(samples):
+            sample.model = args.lora_modules[i % len(args.lora_modules)]
     cfg = BenchConfig(base_url=base_url, model=model, endpoint=args.endpoint, request_rate=getattr(args, "request_rate", math.inf),
                       burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
                       temperature=args.temperature, extra_body=extra, api_key=args.api_key,

@@ -31,6 +31,7 @@ class SampleRequest:
     prompt_len: int             # tokens in the prompt as the client counts them (no chat template)
     output_len: int             # max_tokens to ask for
     images: list[str] = field(default_factory=list)  # data: URIs, sent as image_url parts (chat)
+    model: str | None = None    # the model (a LoRA adapter's name) this request names; None: the run's
 
 
 # ---------------------------------------------------------------------------- random prompts

@@ -108,7 +108,7 @@ def load_bench_tokenizer(spec: str):
 
 def build_request(cfg: BenchConfig, sample: SampleRequest) -> tuple[str, dict]:
     """The URL and JSON body for one sample."""
-    body: dict = {"model": cfg.model, "max_tokens": sample.output_len, "stream": True,
+    body: dict = {"model": sample.model or cfg.model, "max_tokens": sample.output_len, "stream": True,
                   # Ask for the server's token counts; they are exact where the client's re-tokenizing
                   # of the streamed text is only an estimate.
                   "stream_options": {"include_usage": True}}

@@ -41,6 +41,19 @@ class VisionLanguageModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed(input_ids)
 
+    # The piecewise CUDA graphs (worker/cuda_graphs.py) run the decoder in segments: they need its
+    # start (embeddings -> layer 0's stream), its final norm and its width.
+    def start(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.language_model.start(x, positions)
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.language_model.norm
+
+    @property
+    def hidden_size(self) -> int:
+        return self.language_model.spec.hidden_size
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
                 intermediate=None):
         return self.language_model(input_ids, positions, inputs_embeds, intermediate)

@@ -126,6 +126,10 @@ class PiecewiseGraphs:
     the last layer, the final norm). Segments read and write static buffers, so one CUDA graph per
     (segment, bucket) replays them; attention between segments reads q/k/v and writes attn_out.
 
+    A vision-language model's step with image tokens starts from its input embeddings (token
+    embeddings with image features among them): segment 0 then has a second graph per bucket that
+    reads a static embeddings buffer instead of the token ids, and every other segment is shared.
+
     With use_graphs=False the same segments run eagerly on the same buffers (CPU tests of the
     plumbing: padding, buffer slicing, segment order)."""
 
@@ -135,6 +139,7 @@ class PiecewiseGraphs:
         self.layers = list(model.layers)
         self.sizes = sorted(sizes)
         self.use_graphs = use_graphs
+        self.accepts_embeds = bool(getattr(model, "is_multimodal", False))
         n, dev = self.sizes[-1], device
         attn = self.layers[0].self_attn
         dtype = attn.o_proj.params_dtype  # the activations' dtype (a quantized weight's is not)
@@ -146,7 +151,10 @@ class PiecewiseGraphs:
             self.k = torch.zeros(n, kv_size, dtype=dtype, device=dev)
             self.v = torch.zeros(n, kv_size, dtype=dtype, device=dev)
             self.attn_out = torch.zeros(n, q_size, dtype=dtype, device=dev)
+            if self.accepts_embeds:
+                self.embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.embed_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # segment 0 from self.embeds
         self.hidden: dict[int, torch.Tensor] = {}
 
     def padded_size(self, num_tokens: int) -> int | None:
@@ -155,10 +163,12 @@ class PiecewiseGraphs:
                 return n
         return None
 
-    def _segment(self, j: int, n: int, residual: torch.Tensor | None) -> torch.Tensor:
-        """Runs segment j at n tokens; returns the residual stream (the hidden states after the last)."""
+    def _segment(self, j: int, n: int, residual: torch.Tensor | None, from_embeds: bool = False) -> torch.Tensor:
+        """Runs segment j at n tokens; returns the residual stream (the hidden states after the last).
+        Segment 0 starts from the token ids, or from self.embeds when from_embeds."""
         if j == 0:
-            x, residual = self.model.start(self.model.embed(self.input_ids[:n]), self.positions[:n])
+            x = self.embeds[:n] if from_embeds else self.model.embed(self.input_ids[:n])
+            x, residual = self.model.start(x, self.positions[:n])
         else:
             x, residual = self.layers[j - 1].attn_outputs(self.attn_out[:n], residual)
         if j == len(self.layers):
@@ -186,6 +196,15 @@ class PiecewiseGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self._segment(j, n, residual)
+                if j == 0 and self.accepts_embeds:
+                    # Same output tensor as the ids variant: segment 1 reads whichever replayed.
+                    with torch.cuda.stream(stream):
+                        self._segment(0, n, None, from_embeds=True)  # warm-up (compilation)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    self.embed_graphs[n] = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self.embed_graphs[n], pool=pool, stream=stream):
+                        out_e = self._segment(0, n, None, from_embeds=True)
+                        out.copy_(out_e)
                 # Dropping the previous residual lets later captures reuse its memory: they replay
                 # after this segment, which has read it by then.
                 residual = out
@@ -197,11 +216,17 @@ class PiecewiseGraphs:
         logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d segments each, in %.1f s",
                     len(self.sizes), self.sizes[0], self.sizes[-1], num_segments, time.perf_counter() - start)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the step's T tokens."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+            inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the step's T tokens (from inputs_embeds when given: a
+        model with accepts_embeds only)."""
         T = input_ids.shape[0]
         n = self.padded_size(T)
-        self.input_ids[:T].copy_(input_ids)
+        from_embeds = inputs_embeds is not None
+        if from_embeds:
+            self.embeds[:T].copy_(inputs_embeds)
+        else:
+            self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(positions)
         residual = None
         with forward_context(ctx):
@@ -210,7 +235,7 @@ class PiecewiseGraphs:
                     out = self.layers[j - 1].self_attn.attn(self.q[:T], self.k[:T], self.v[:T], self.positions[:T])
                     self.attn_out[:T].copy_(out)
                 if self.use_graphs:
-                    self.graphs[n][j].replay()
+                    (self.embed_graphs[n] if j == 0 and from_embeds else self.graphs[n][j]).replay()
                 else:
-                    residual = self._segment(j, n, residual)
+                    residual = self._segment(j, n, residual, from_embeds and j == 0)
         return (self.hidden[n] if self.use_graphs else residual)[:T]

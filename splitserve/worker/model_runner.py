@@ -165,6 +165,8 @@ class ModelRunner:
         self.num_launched = 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        # How many forwards took each path (benchmarks report the share of steps that replay graphs).
+        self.steps_by_path = {"decode_graph": 0, "piecewise": 0, "eager": 0}
         # Vision-language models: encodes a step's images and builds its input embeddings.
         self.mm = None
         if getattr(model, "is_multimodal", False):
@@ -372,12 +374,15 @@ class ModelRunner:
                 and batch.prompt_logprobs is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
+            self.steps_by_path["decode_graph"] += 1
             return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta, lora)
         ctx = ForwardContext(meta, self.backend)
-        if (self.piecewise is not None and batch.inputs_embeds is None
+        if (self.piecewise is not None and (batch.inputs_embeds is None or self.piecewise.accepts_embeds)
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
-            hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx)
+            self.steps_by_path["piecewise"] += 1
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx, batch.inputs_embeds)
         else:
+            self.steps_by_path["eager"] += 1
             with forward_context(ctx):
                 if batch.inputs_embeds is None:
                     hidden = self.model(batch.input_ids, batch.positions)

@@ -59,6 +59,9 @@ def test_build_request():
     assert body["messages"] == [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
     assert "ignore_eos" not in body and "temperature" not in body
+    # --lora-modules: a request that names an adapter sends that name instead of the run's model
+    _, body = build_request(cfg, SampleRequest("hi", 1, 2, model="adapter-3"))
+    assert body["model"] == "adapter-3"
 
 
 def test_normalize_base_url():

@@ -79,6 +79,7 @@ def test_reference_matches_the_definition(T, pad, in_f, shards, R, S, gen):
     (70, 0, 96, [33, 20], 8, 5),        # several tiles per slot; rank 8 (padded to 16 inside)
     (4, 12, 1100, [20, 16, 16], 16, 2), # K split in parts (few tiles), three shards
     (40, 8, 64, [300], 24, 3),          # rank 24 (padded to 32), several output blocks per program
+    (33, 5, 2100, [40, 16], 16, 3),     # K split in 8 parts over several tiles and two rank blocks
 ])
 def test_triton_kernels_match_the_definition(T, pad, in_f, shards, R, S, dtype, gen):
     x = torch.randn(T + pad, in_f, generator=gen).to(dtype)
@@ -88,9 +89,32 @@ def test_triton_kernels_match_the_definition(T, pad, in_f, shards, R, S, dtype, 
     check_delta(x, a, b, shards, R, token_slots(T, S, gen), True, tol, gen)
 
 
-def test_shrink_splits_k_only_for_few_tiles():
+def test_split_k_shrink_is_deterministic_and_rearms_its_counters(gen):
+    """The last K part of a block sums every part in a fixed order: launches of the same inputs give
+    identical bits, and each launch leaves the shared counters at zero for the next one."""
+    S, T, K = 3, 40, 2100
+    slots = token_slots(T, S, gen)
+    layout = layout_for(slots, S, T)
+    x = torch.randn(T, K, generator=gen)
+    a = torch.randn(S, 32, K, generator=gen) * 0.1
+    grid_tiles = max_tiles(T, S)
+    args = (x, a, layout.num_tiles, layout.tile_slots, layout.token_rows, grid_tiles, TILE)
+    entries = layout.token_rows[:int(layout.num_tiles) * TILE].long()
+    used = torch.nonzero(entries >= 0).squeeze(1)  # entries of tokens (the rest are left unwritten)
+    first = kernels.lora_shrink(*args)[0, used].clone()
+    assert kernels.shrink_split(K, grid_tiles) > 1
+    assert int(kernels.split_counters(x.device, 1).abs().sum()) == 0
+    for _ in range(2):
+        assert torch.equal(kernels.lora_shrink(*args)[0, used], first)
+    rows = entries[used]
+    want = torch.einsum("tk,tnk->tn", x[rows].double(), a[torch.from_numpy(slots)[rows]].double())
+    torch.testing.assert_close(first.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_shrink_splits_k_less_for_many_tiles():
     assert kernels.shrink_split(1100, 1) == 2 and kernels.shrink_split(4096, 2) == 8
-    assert kernels.shrink_split(4096, 300) == 1  # many tokens: no split
+    assert kernels.shrink_split(14336, 2) == 16 and kernels.shrink_split(4096, 1024) == 4
+    assert kernels.shrink_split(4096, 5000) == 1
 
 
 def test_every_slot_with_one_token_fills_the_tile_bound(gen):
