@@ -15,6 +15,7 @@ _MODELS = {
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     # encoder-decoder models (cross-attention: attention/cross.py)
     "T5ForConditionalGeneration": ("splitserve.models.t5", "T5ForConditionalGeneration"),
+    "Pix2StructForConditionalGeneration": ("splitserve.models.pix2struct", "Pix2StructForConditionalGeneration"),
 }
 
 

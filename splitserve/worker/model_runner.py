@@ -169,7 +169,7 @@ class ModelRunner:
         self.steps_by_path = {"decode_graph": 0, "piecewise": 0, "eager": 0}
         # Vision-language models: encodes a step's images and builds its input embeddings.
         self.mm = None
-        if getattr(model, "is_multimodal", False):
+        if getattr(model, "is_multimodal", False) and not getattr(model, "is_encoder_decoder", False):
             from splitserve.multimodal.step import MultiModalStepEncoder
             self.mm = MultiModalStepEncoder(model)
         # Encoder-decoder models: runs the encoders a step asks for and lays out its cross-attention.
