@@ -238,10 +238,14 @@ class Pix2StructPromptProcessor:
         # A token-id prompt marks its image with this id; the other ids are decoded as the header.
         self.placeholder_id = t.pad_token_id if t.pad_token_id is not None else 0
 
+    def process_image(self, img):
+        """(content hash, the decoded image): the patches depend on the header, cut in build_prompt."""
+        from splitserve.multimodal.processor import image_hash
+        return image_hash(img), img
+
     def load_and_process(self, sources: list, policy):
         from splitserve.multimodal.media import load_image
-        from splitserve.multimodal.processor import image_hash
-        return [(image_hash(img), img) for img in (load_image(s, policy) for s in sources)]
+        return [self.process_image(load_image(s, policy)) for s in sources]
 
     def flattened_patches(self, img, header: str | None) -> torch.Tensor:
         """The image's real patches [n, 2 + patch pixels] (the processor pads to max_patches)."""
@@ -256,8 +260,7 @@ class Pix2StructPromptProcessor:
 
     def build_prompt(self, prompt, images):
         from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt
-        if len(images) != 1:
-            raise ValueError(f"Pix2Struct takes exactly one image per request, got {len(images)}")
+        self.check_count(len(images), None)
         if not isinstance(prompt, str):
             prompt = self.tokenizer.decode([t for t in prompt if t != self.placeholder_id], skip_special_tokens=True)
         img_hash, img = images[0]
@@ -273,16 +276,19 @@ class Pix2StructPromptProcessor:
         return MultiModalProcessor.split_chat(messages)
 
     def check_count(self, n: int, policy) -> None:
+        from splitserve.multimodal.media import MediaError
         if n != 1:
-            raise ValueError(f"Pix2Struct takes exactly one image per request, got {n}")
+            raise MediaError(f"Pix2Struct takes exactly one image per request, got {n}")
 
-    def chat_prompt_from_text(self, text: str, images):
-        """Chat: the user's text (no template; image markers dropped) is the header."""
+    def chat_prompt_from_messages(self, messages: list[dict], images):
+        """Chat without a template: the text parts of the user's messages are the header (the
+        server calls this instead of rendering a chat template when the processor has it)."""
         from splitserve.multimodal.processor import IMAGE_MARKER
+        converted, _ = self.split_chat(messages)
+        text = "\n".join(m["content"] for m in converted if m.get("role") == "user")
         return self.build_prompt(text.replace(IMAGE_MARKER, " ").strip(), images)
 
     def chat_prompt(self, messages: list[dict], render_text, policy):
-        converted, sources = self.split_chat(messages)
+        _, sources = self.split_chat(messages)
         self.check_count(len(sources), policy)
-        text = "\n".join(m["content"] for m in converted if m.get("role") == "user")
-        return self.chat_prompt_from_text(text, self.load_and_process(sources, policy))
+        return self.chat_prompt_from_messages(messages, self.load_and_process(sources, policy))
