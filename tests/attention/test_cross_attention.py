@@ -77,13 +77,16 @@ def test_cross_attention_decode_graph_layout():
     assert not out[B:].any()
 
 
-def test_self_attention_position_bias_matches_dense_definition():
-    """torch_ref with a per-head table over query-key distance (T5's decoder bias): the ragged path and
-    the batched decode path against a dense causal softmax with the bias added."""
+@pytest.mark.parametrize("backend_name", ["torch_ref", "triton"])
+def test_self_attention_position_bias_matches_dense_definition(backend_name):
+    """A per-head table over query-key distance (T5's decoder bias): the ragged path and the batched
+    decode path against a dense causal softmax with the bias added (the Triton backend hands such
+    layers to the reference's functions until a kernel adds the bias)."""
+    from splitserve.attention.registry import get_backend
     g = torch.Generator().manual_seed(5)
     H, D, num_blocks = 2, 8, 32
     table = torch.randn(H, 64, generator=g)
-    backend = TorchRefBackend()
+    backend = get_backend(backend_name)
     for q_lens, ctx_lens in (([3, 1, 5], [0, 6, 2]), ([1, 1, 1], [4, 9, 13])):
         cache = torch.zeros(num_blocks, 2, BS, H, D)
         seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]

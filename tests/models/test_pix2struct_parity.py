@@ -36,3 +36,22 @@ def test_deplot_charts_match_transformers(deplot_dir):
     assert len(lengths) >= 3  # different patch grids: ragged encoder lengths in one batch
     assert spread > 1e-2
     assert llm.engine.kv_manager.pool.is_whole()
+
+
+def test_token_id_prompt_marks_the_image_with_the_placeholder(deplot_dir):
+    """The benchmarks' contract: in a token-id prompt `mm_processor.placeholder_id` marks the image
+    and the other ids are the header; an encoder input longer than a step is a clear error."""
+    path, _, _ = deplot_dir
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=128, attention_backend="torch_ref")
+    mm = llm.engine.mm_processor
+    chart = bar_chart([0.4, 0.6], (90, 60))
+    header_ids = llm.get_tokenizer().encode(DEPLOT_PROMPT, add_special_tokens=False)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    by_text, by_ids = llm.generate([{"prompt": DEPLOT_PROMPT, "multi_modal_data": {"image": chart}},
+                                    {"prompt_token_ids": [mm.placeholder_id] + header_ids,
+                                     "multi_modal_data": {"image": chart}}], params, use_tqdm=False)
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    assert llm.engine.kv_manager.pool.is_whole()
+    small = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=32, attention_backend="torch_ref")
+    with pytest.raises(ValueError, match="encoder input has"):
+        small.generate([{"prompt": DEPLOT_PROMPT, "multi_modal_data": {"image": chart}}], params, use_tqdm=False)
