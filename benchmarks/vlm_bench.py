@@ -78,7 +78,8 @@ def measure_ttft(llm, args, image_token: int) -> tuple[list[float], int]:
     times, prompt_len = [], 0
     for i in range(args.ttft_warmup + args.ttft_runs):
         lo, hi = vocab_range(llm)
-        ids = [1] + random_ids(rng, 8, lo, hi) + [image_token] + random_ids(rng, args.ttft_prompt_len, lo, hi)
+        # The image right after BOS, as in the throughput prompts (CogVLM accepts it nowhere else).
+        ids = [1, image_token] + random_ids(rng, 8 + args.ttft_prompt_len, lo, hi)
         request = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image_uri(np_rng, 336, 336)]}}
         start = time.perf_counter()
         out = llm.generate(request, params, use_tqdm=False)[0]
@@ -115,14 +116,14 @@ def measure_throughput(llm, args, image_token: int, text_only_lengths: list[int]
     preprocess_s = time.perf_counter() - start
     params = [SamplingParams(max_tokens=s.output_len, temperature=0, ignore_eos=True) for s in samples]
     runner = llm.engine.runner
-    paths_before = dict(runner.steps_by_path)
+    paths_before = dict(getattr(runner, "steps_by_path", {}))  # (older commits do not count them)
     encoded_before = runner.mm.num_images_encoded
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     lengths = [len(o.prompt_token_ids) for o in outs]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    paths = {k: v - paths_before[k] for k, v in runner.steps_by_path.items()}
+    paths = {k: v - paths_before[k] for k, v in getattr(runner, "steps_by_path", {}).items()}
     return {"elapsed_s": elapsed, "preprocess_s": preprocess_s, "requests_per_s": len(prompts) / elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (sum(lengths) + n_out) / elapsed,
             "prompt_lengths": lengths, "mean_prompt_tokens": sum(lengths) / len(prompts), "paths": paths,

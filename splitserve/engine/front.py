@@ -27,6 +27,8 @@ def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
     if spec.tokenizer_source is not None:  # --tokenizer
         return load_tokenizer(spec.tokenizer_source)
     try:
+        if random_weights and not spec.source.gguf_file and not _has_tokenizer_files(spec.source.directory):
+            raise OSError("no tokenizer files")  # AutoTokenizer would make an empty one for some configs (BLIP-2)
         return load_tokenizer(spec.source)
     except (OSError, ValueError):
         if not random_weights:
@@ -34,6 +36,12 @@ def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
         # A bare config for performance runs: any tokenizer will do for token-id prompts.
         logger.warning("no tokenizer next to %s; using the default model's", spec.source.path)
         return load_tokenizer(None)
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    import os
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    return any(os.path.exists(os.path.join(d, n)) for d in (directory, os.path.join(directory, "llm")) for n in names)
 
 
 def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
@@ -78,7 +86,8 @@ class EngineFront:
         self.decoder_start_token_id = getattr(hf, "decoder_start_token_id", None)
         if self.encoder_decoder and self.decoder_start_token_id is None:
             self.decoder_start_token_id = getattr(hf, "pad_token_id", None) or 0
-        self.output_processor = OutputProcessor(tokenizer, stream_interval)
+        self.output_processor = OutputProcessor(
+            tokenizer, stream_interval, getattr(getattr(mm_processor, "model", None), "postprocess_text", None))
         self._ids = itertools.count()
         from splitserve.lora.registry import LoRARegistry
         # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.
@@ -98,7 +107,8 @@ class EngineFront:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = (self.mm_processor.text_prompt_ids(prompt) if self.mm_processor is not None
+                   else self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
             ids = list(prompt)
         return ids if k is None else self.truncate(ids, k)

@@ -64,3 +64,11 @@ class LayerNorm(RMSNorm):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class LayerNorm1P(LayerNorm):
+    """Nemotron's LayerNorm1P: the checkpoint stores w - 1 (as Gemma's RMSNorm does), so the scale
+    is (1 + w); with a bias."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight + 1.0, self.bias, self.eps)

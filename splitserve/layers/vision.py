@@ -100,9 +100,10 @@ class VisionTower(nn.Module):
     LLaVA takes the second-to-last layer, so the last layer (and the post-norm) are dead weight.
     """
 
-    def __init__(self, config, feature_layers: int | list[int]):
+    def __init__(self, config, feature_layers: int | list[int], class_token: bool | None = None):
+        """class_token: CLIP's layout (class token, bias-free patch conv, pre-norm); None: by model_type."""
         super().__init__()
-        self.is_clip = config.model_type in ("clip_vision_model", "clip")
+        self.is_clip = config.model_type in ("clip_vision_model", "clip") if class_token is None else class_token
         total = config.num_hidden_layers
         layers = [feature_layers] if isinstance(feature_layers, int) else list(feature_layers)
         self.feature_layers = [i if i >= 0 else total + 1 + i for i in layers]

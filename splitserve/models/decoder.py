@@ -11,6 +11,7 @@ halves specialise on them once, and a Llama config runs exactly the ops it ran b
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -22,7 +23,7 @@ from splitserve.distributed.communication import Intermediate, tp_all_gather
 from splitserve.distributed.parallel_state import pp_group, stage_layers, tp_group
 from splitserve.layers.activation import activation, gated_activation
 from splitserve.layers.cpu_gemm import linear
-from splitserve.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
+from splitserve.layers.norm import GemmaRMSNorm, LayerNorm, LayerNorm1P, RMSNorm
 from splitserve.layers.parallel_linear import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                                QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                local_heads)
@@ -30,7 +31,7 @@ from splitserve.layers.quantization.base import QuantConfig, method_for
 from splitserve.layers.rotary import RotaryEmbedding
 from splitserve.models.families import DecoderSpec, decoder_spec
 
-_NORMS = {"rms": RMSNorm, "gemma_rms": GemmaRMSNorm, "layer": LayerNorm}
+_NORMS = {"rms": RMSNorm, "gemma_rms": GemmaRMSNorm, "layer": LayerNorm, "layer1p": LayerNorm1P}
 
 
 def make_norm(spec: DecoderSpec) -> nn.Module:
@@ -103,6 +104,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = HeadNorm(spec.qk_norm, self.num_kv_heads, hd, spec.norm_eps, kv_part * self.num_kv_heads)
         else:
             self.q_norm = self.k_norm = None
+        # Kosmos-2 normalises the attention output over all heads before o_proj: one rank needs them all.
+        self.inner_attn_ln = LayerNorm(nh * hd, spec.norm_eps) if spec.family.inner_attn_norm else None
+        if self.inner_attn_ln is not None and tp_group().world_size > 1:
+            raise ValueError(f"{spec.model_type}: tensor parallelism is not supported with a norm inside attention")
         # The rotary table (one for all layers) goes to the attention op, which rotates q and k
         # where it stores the cache (one pass over them instead of two).
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, hd, spec.scale, rotary,
@@ -145,9 +150,16 @@ class PlainMLP(nn.Module):
         self.down_proj = RowParallelLinear(I, spec.hidden_size, bias=spec.mlp_bias, method=method_for(
             quant_config, *(ckpt + n for n in names.checkpoint_modules("mlp.down_proj"))))
         self.act = activation(spec.activation)
+        # Kosmos-2 normalises the activations over the whole intermediate width: one rank needs them all.
+        self.ffn_layernorm = LayerNorm(I, spec.norm_eps) if spec.family.mlp_norm else None
+        if self.ffn_layernorm is not None and tp_group().world_size > 1:
+            raise ValueError(f"{spec.model_type}: tensor parallelism is not supported with a norm inside the MLP")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        h = self.act(self.up_proj(x))
+        if self.ffn_layernorm is not None:
+            h = self.ffn_layernorm(h)
+        return self.down_proj(h)
 
 
 def make_mlp(spec: DecoderSpec, model_layer: int, quant_config, ckpt: str) -> nn.Module:
@@ -200,6 +212,8 @@ class DecoderLayer(nn.Module):
         return q, k, v, residual
 
     def attn_outputs(self, attn_out, residual):
+        if self.self_attn.inner_attn_ln is not None:
+            attn_out = self.self_attn.inner_attn_ln(attn_out)
         x = self.self_attn.o_proj(attn_out)
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
@@ -229,6 +243,25 @@ class LearnedPositions(nn.Module):
         return F.embedding(positions + self.offset, self.weight)
 
 
+class SinusoidalPositions(nn.Module):
+    """Kosmos-2's fixed position table (fairseq's): row p + offset holds [sin(p w), cos(p w)] with
+    w_i = 10000^(-i / (dim/2 - 1)); offset = pad_token_id + 1. Computed, never loaded."""
+
+    def __init__(self, max_position: int, dim: int, offset: int):
+        super().__init__()
+        self.offset = offset
+        half = dim // 2
+        freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+        angles = torch.arange(max_position + offset, dtype=torch.float32)[:, None] * freqs[None]
+        table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+        if dim % 2:
+            table = torch.cat([table, torch.zeros(table.shape[0], 1)], dim=1)
+        self.register_buffer("table", table.to(torch.get_default_dtype()), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset, self.table)
+
+
 class DecoderForCausalLM(nn.Module):
     """The decoder, or this rank's part of it: the tensor-parallel group (parallel_state.tp_group())
     splits every layer's heads and features; the pipeline group (pp_group()) gives each stage a
@@ -252,6 +285,8 @@ class DecoderForCausalLM(nn.Module):
         offset = spec.family.learned_positions
         self.embed_positions = (LearnedPositions(spec.max_position, spec.hidden_size, offset)
                                 if pp.is_first and offset is not None else None)
+        if pp.is_first and spec.family.sinusoidal_positions:
+            self.embed_positions = SinusoidalPositions(spec.max_position, spec.hidden_size, spec.position_offset)
         # Gemma multiplies the embedding by sqrt(hidden) rounded to the model's dtype first.
         self.embed_scale = (None if spec.embed_scale is None
                             else float(torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype(), device="cpu")))

@@ -46,13 +46,16 @@ class WeightNames:
 
 @dataclass(frozen=True)
 class Family:
-    norm: str = "rms"                    # rms | gemma_rms (stores w - 1) | layer (LayerNorm with bias)
+    norm: str = "rms"                    # rms | gemma_rms (stores w - 1) | layer (LayerNorm with bias) | layer1p (Nemotron: stores w - 1)
     eps_field: str | None = "rms_norm_eps"  # None: LayerNorm's default 1e-5 (OPT)
     sandwich: bool = False               # Gemma 2: norms after attention and MLP as well as before
     mlp: str = "gated"                   # gated (gate_up_proj, down_proj) | plain (up_proj, down_proj) | moe
     act_field: str = "hidden_act"
     intermediate_field: str = "intermediate_size"
     learned_positions: int | None = None  # offset of learned absolute positions (OPT: 2); None: RoPE
+    sinusoidal_positions: bool = False   # fixed sin/cos table at position + pad_token_id + 1 (Kosmos-2)
+    inner_attn_norm: bool = False        # LayerNorm on the attention output before o_proj (Kosmos-2)
+    mlp_norm: bool = False               # LayerNorm between the activation and down_proj (Kosmos-2)
     qk_norm: str | None = None           # rms (Qwen3) | layer (Persimmon) | layer_per_head (StableLM)
     qk_norm_field: str | None = None     # the config flag that turns qk_norm on (None: always on)
     # True / False, or the config field that says (absent: False)
@@ -60,7 +63,8 @@ class Family:
     o_bias: bool | str = "attention_bias"
     mlp_bias: bool | str = "mlp_bias"
     scale: str = "head_dim"              # head_dim | query_pre_attn_scalar (Gemma 2) | attention_multiplier (Granite)
-    embed_scale: str | None = None       # sqrt_hidden (Gemma) | embedding_multiplier (Granite)
+    embed_scale: str | None = None       # sqrt_hidden (Gemma) | embedding_multiplier (Granite) |
+    #                                      scale_embedding (Kosmos-2: sqrt(hidden) on the inputs, image features too)
     multipliers: bool = False            # Granite's residual_multiplier and logits_scaling
     soft_caps: bool = False              # Gemma 2's attn_logit_softcapping / final_logit_softcapping
     names: WeightNames = field(default_factory=WeightNames)
@@ -95,7 +99,20 @@ FAMILIES: dict[str, Family] = {
                        qkv_bias="use_qkv_bias", o_bias=False, mlp_bias=False, names=WeightNames(layer={
                            **_LLAMA_LAYER, "self_attn.q_layernorm": ("self_attn.q_norm", None),
                            "self_attn.k_layernorm": ("self_attn.k_norm", None)})),
+    "kosmos_2_text_model": Family(
+        norm="layer", eps_field="layer_norm_eps", mlp="plain", act_field="activation_function",
+        intermediate_field="ffn_dim", sinusoidal_positions=True, inner_attn_norm=True, mlp_norm=True,
+        qkv_bias=True, o_bias=True, mlp_bias=True, embed_scale="scale_embedding", names=WeightNames(
+            top={"layer_norm": "norm"}, layer={
+                **{k: v for k, v in _LLAMA_LAYER.items() if k.startswith("self_attn")},
+                "self_attn.out_proj": ("self_attn.o_proj", None), "ffn.fc1": ("mlp.up_proj", None),
+                "ffn.fc2": ("mlp.down_proj", None), "ffn.ffn_layernorm": ("mlp.ffn_layernorm", None),
+                "self_attn_layer_norm": ("input_layernorm", None),
+                "final_layer_norm": ("post_attention_layernorm", None)})),
     "mixtral": Family(mlp="moe"),
+    # Nemotron / NVGPT (NeVA's decoder): LayerNorm1P, squared ReLU up/down MLP, partial rotary
+    "nemotron": Family(norm="layer1p", eps_field="norm_eps", mlp="plain", names=WeightNames(
+        layer={k: v for k, v in _LLAMA_LAYER.items() if k.startswith("self_attn")})),
     "qwen2_moe": Family(mlp="moe", qkv_bias="qkv_bias", o_bias=False, mlp_bias=False),
 }
 
@@ -105,6 +122,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "persimmon": "PersimmonForCausalLM",
     "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "nemotron": "NemotronForCausalLM",
+    "kosmos_2_text_model": "Kosmos2TextForCausalLM",  # Kosmos-2's language model, alone
 }
 
 
@@ -123,6 +142,7 @@ _REFUSED = {
     "layer_norm_elementwise_affine": (lambda v, c: v is None or v, "layer norms without weights"),
     "word_embed_proj_dim": (lambda v, c: _is(v, c.hidden_size), "projected word embeddings (project_in/out)"),
     "use_bidirectional_attention": (lambda v, c: not v, "bidirectional attention"),
+    "add_cross_attention": (lambda v, c: not v, "cross-attention layers in the decoder"),
     "attention_chunk_size": (lambda v, c: v is None, "chunked local attention"),
     "no_rope_layers": (lambda v, c: not v or all(v), "layers without RoPE"),
     "layer_types": (lambda v, c: not v or set(v) <= {"sliding_attention", "full_attention"}, "other attention types"),
@@ -194,6 +214,7 @@ class DecoderSpec:
     residual_multiplier: float | None
     logits_scaling: float | None
     moe: MoESpec | None
+    position_offset: int = 0            # sinusoidal positions: table row of position 0
 
     @property
     def rot_dim(self) -> int:
@@ -262,10 +283,14 @@ def decoder_spec(config) -> DecoderSpec:
         vocab_size=config.vocab_size, max_position=config.max_position_embeddings,
         norm_eps=getattr(config, fam.eps_field) if fam.eps_field else 1e-5, activation=act,
         qkv_bias=_flag(config, fam.qkv_bias), o_bias=_flag(config, fam.o_bias), mlp_bias=_flag(config, fam.mlp_bias),
-        qk_norm=qk_norm, rope=None if fam.learned_positions is not None else rope_parameters(config), scale=scale,
+        qk_norm=qk_norm, rope=None if fam.learned_positions is not None or fam.sinusoidal_positions
+        else rope_parameters(config), scale=scale,
         windows=tuple(w or None for w in windows), attn_soft_cap=caps[0] or None, final_soft_cap=caps[1] or None,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)), embed_scale=embed_scale,
-        embedding_multiplier=_multiplier(config, "embedding_multiplier") if fam.embed_scale == "embedding_multiplier" else None,
+        embedding_multiplier=(_multiplier(config, "embedding_multiplier") if fam.embed_scale == "embedding_multiplier"
+                              else math.sqrt(hidden) if fam.embed_scale == "scale_embedding"
+                              and getattr(config, "scale_embedding", False) else None),
         residual_multiplier=_multiplier(config, "residual_multiplier") if fam.multipliers else None,
         logits_scaling=_multiplier(config, "logits_scaling") if fam.multipliers else None,
-        moe=_moe_spec(config, model_type) if fam.mlp == "moe" else None)
+        moe=_moe_spec(config, model_type) if fam.mlp == "moe" else None,
+        position_offset=(getattr(config, "pad_token_id", None) or 0) + 1 if fam.sinusoidal_positions else 0)

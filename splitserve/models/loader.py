@@ -11,7 +11,7 @@ from splitserve.distributed.parallel_state import pp_group, tp_group
 from splitserve.layers.linear import Linear, process_weights_after_loading
 from splitserve.layers.quantization.base import QuantConfig
 from splitserve.layers.rotary import RotaryEmbedding
-from splitserve.models.registry import get_model_class
+from splitserve.models.registry import get_model_class, own_config_reader
 from splitserve.models.families import ARCHITECTURES
 from splitserve.models.gguf_io import gguf_hf_config, iter_gguf
 from splitserve.models.resolve import ModelSource
@@ -29,7 +29,10 @@ def load_hf_config(source: ModelSource):
     from splitserve.models.vila import is_vila_dir, load_vila_config
     if source.gguf_file:
         return gguf_hf_config(source.path)
-    if is_vila_dir(source.directory):
+    own_reader = own_config_reader(*_config_model_type(source.directory))
+    if own_reader is not None:
+        config = own_reader(source.directory)
+    elif is_vila_dir(source.directory):
         config = load_vila_config(source.directory)
     else:
         config = read_text_config(source.directory)
@@ -44,6 +47,16 @@ def load_hf_config(source: ModelSource):
         arch = ARCHITECTURES.get(config.model_type)
         config.architectures = [arch] if arch else [f"<model_type {config.model_type}>"]
     return config
+
+
+def _config_model_type(directory: str) -> tuple[str | None, list[str] | None]:
+    """config.json's model_type and architectures (None, None without one)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None, None
+    with open(path) as f:
+        cfg = json.load(f)
+    return cfg.get("model_type"), cfg.get("architectures")
 
 
 _TEXT_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",

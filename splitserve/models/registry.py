@@ -16,7 +16,28 @@ _MODELS = {
     # encoder-decoder models (cross-attention: attention/cross.py)
     "T5ForConditionalGeneration": ("splitserve.models.t5", "T5ForConditionalGeneration"),
     "Pix2StructForConditionalGeneration": ("splitserve.models.pix2struct", "Pix2StructForConditionalGeneration"),
+    "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
+    "CogVLMForCausalLM": ("splitserve.models.cogvlm", "CogVLMForCausalLM"),
+    "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
+    "FuyuForCausalLM": ("splitserve.models.fuyu", "FuyuForCausalLM"),
+    "Kosmos2ForConditionalGeneration": ("splitserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
 }
+
+# config.json model_type (or architecture) -> (module, function(directory) -> config) for
+# checkpoints whose config transformers cannot read (remote code only).
+_CONFIG_READERS = {
+    "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
+    "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
+}
+
+
+def own_config_reader(model_type: str | None, architectures: list[str] | None = None):
+    """The engine's reader for a remote-code model, or None."""
+    for key in [model_type, *(architectures or [])]:
+        if key in _CONFIG_READERS:
+            module, name = _CONFIG_READERS[key]
+            return getattr(importlib.import_module(module), name)
+    return None
 
 
 def supported_architectures() -> list[str]:

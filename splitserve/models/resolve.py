@@ -111,7 +111,9 @@ def _from_pretrained(directory: str):
     cls = named_tokenizer_class(directory)
     if cls is None:
         from transformers import AutoTokenizer
-        cls = AutoTokenizer
+        # AutoTokenizer reads config.json too: a remote-code config (Phi-3-vision) would ask on stdin
+        # whether to run its code; the engine never does, and the tokenizer needs none.
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     return cls.from_pretrained(directory)
 
 

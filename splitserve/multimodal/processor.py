@@ -50,8 +50,13 @@ class MultiModalProcessor:
         self.model = model
         self.tokenizer = tokenizer
         folder = os.path.join(model_directory, getattr(model, "image_processor_subfolder", ""))
-        self.image_processor = load_image_processor(folder)
-        marker_id = tokenizer.convert_tokens_to_ids(IMAGE_MARKER) if tokenizer is not None else None
+        # A model whose processor transformers lacks (remote code: Phi-3-vision) brings its own.
+        own_processor = getattr(model, "load_image_processor", None)
+        self.image_processor = own_processor(folder) if own_processor else load_image_processor(folder)
+        # A model's own prompt format (Phi-3-vision's <|image_N|>): text -> ids with one marker id per image.
+        self.tokenize_prompt = getattr(model, "tokenize_prompt", None)
+        marker = getattr(model, "image_token", IMAGE_MARKER)  # the placeholder's token text
+        marker_id = tokenizer.convert_tokens_to_ids(marker) if tokenizer is not None else None
         unk = getattr(tokenizer, "unk_token_id", None)
         if marker_id == unk:
             marker_id = None
@@ -66,6 +71,12 @@ class MultiModalProcessor:
 
     # -- images ----------------------------------------------------------------------------------
     def process_image(self, img) -> ProcessedImage:
+        # Hook: a model whose image processor gives more than pixel tiles (Fuyu's patch grids) turns
+        # one image into (pixel_values, image_size, num_tokens) itself.
+        custom = getattr(self.model, "preprocess_image", None)
+        if custom is not None:
+            pixels, size, n = custom(self.image_processor, img)
+            return ProcessedImage(image_hash(img), pixels.contiguous(), size, n)
         out = self.image_processor(images=[img], return_tensors="pt")
         pixels = out["pixel_values"]
         pixels = pixels[0] if pixels.dim() == 5 else pixels  # anyres: [1, tiles, 3, H, W]
@@ -81,6 +92,8 @@ class MultiModalProcessor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text with `<image>` markers -> ids with one marker id per image. Rendered chat templates
         carry their own BOS, so they are tokenized without special tokens."""
+        if self.tokenize_prompt is not None:
+            return self.tokenize_prompt(self.tokenizer, text, self.placeholder_id)
         if self.marker_is_token or IMAGE_MARKER not in text:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         ids: list[int] = []
@@ -91,10 +104,31 @@ class MultiModalProcessor:
                 ids.extend(self.tokenizer.encode(piece, add_special_tokens=add_special_tokens and i == 0))
         return ids
 
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """A text prompt without images, as the model's own processor would tokenize it."""
+        format_text = getattr(self.model, "format_prompt", None)
+        if format_text is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=True))
+        text, special = format_text(text, 0, self.tokenizer)
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
     def build_prompt(self, prompt: str | list[int], images: list[ProcessedImage]) -> MultiModalPrompt:
         """Expands each image marker of the prompt into the image's placeholder tokens."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        format_text = getattr(self.model, "format_prompt", None)
+        if isinstance(prompt, str) and format_text is not None:
+            # Hook: a model whose processor rewrites the prompt text (Kosmos-2: BOS and the image
+            # markers written out, no EOS) says how, and whether to add special tokens after it.
+            prompt, special = format_text(prompt, len(images), self.tokenizer)
+            ids = self.tokenize(prompt, add_special_tokens=special)
+        else:
+            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
+        arrange = getattr(self.model, "arrange_prompt", None)
+        if not marks and images and arrange is not None:
+            # Hook: where a model's own processor puts images in a prompt that names no place for
+            # them (BLIP-2, Fuyu: first); returns the ids with one marker id per image.
+            ids = arrange(ids, len(images), self.placeholder_id)
+            marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
         if len(marks) != len(images):
             raise MediaError(f"the prompt has {len(marks)} image placeholder(s) ({IMAGE_MARKER}) but "
                              f"{len(images)} image(s) were given")
@@ -104,10 +138,17 @@ class MultiModalProcessor:
         for pos, img in zip(marks, images):
             out.extend(ids[prev:pos])
             items.append(ImageItem(img.hash, img.pixel_values, img.image_size, img.num_tokens, len(out)))
-            out.extend([self.placeholder_id] * img.num_tokens)
+            # Hook: a model whose image run holds other tokens than its placeholder (Fuyu's row ends)
+            # gives the run's ids; the embeddings at every position of the run are still the model's.
+            run = getattr(self.model, "image_run_ids", None)
+            out.extend(run(img, self.placeholder_id) if run is not None else [self.placeholder_id] * img.num_tokens)
             prev = pos + 1
         out.extend(ids[prev:])
-        return MultiModalPrompt(out, items)
+        prompt = MultiModalPrompt(out, items)
+        check = getattr(self.model, "check_mm_prompt", None)  # a model's own layout rules (CogVLM)
+        if check is not None:
+            check(prompt)
+        return prompt
 
     # -- chat ------------------------------------------------------------------------------------
     @staticmethod

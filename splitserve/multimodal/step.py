@@ -27,6 +27,11 @@ class MultiModalStepEncoder:
     def step_embeddings(self, spans, input_ids: torch.Tensor) -> torch.Tensor | None:
         """spans: (request state, start, n, first row in the flat batch) of the step's requests that
         compute tokens before the end of their last image run; the runner picks them vectorized."""
+        # A model with per-token data of its own (CogVLM's expert mask and RoPE shift) writes it
+        # into its static buffers for the step's tokens.
+        prepare = getattr(self.model, "prepare_step_tokens", None)
+        if prepare is not None:
+            prepare(spans, input_ids.shape[0])
         # (row in the flat batch, item, first feature, last feature + 1)
         slices = []
         for state, start, n, row in spans:

@@ -56,6 +56,9 @@ CASES = {
     # Granite: embedding / attention / residual multipliers and logits scaling
     "granite": ("granite", dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4,
                                 logits_scaling=3.0), (3, 60)),
+    # Nemotron (NeVA's NVGPT decoder): LayerNorm1P (stores w - 1) with bias, squared ReLU up/down MLP,
+    # half rotary, GQA
+    "nemotron": ("nemotron", dict(hidden_size=128, partial_rotary_factor=0.5, head_dim=32), (3, 60)),
     # Mixtral: top-2 of 4 experts through the fused MoE layer
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), (3, 60)),
     # Qwen2-MoE: 4 experts, top 2 unnormalised, a shared expert with a sigmoid gate, a dense layer

@@ -361,6 +361,26 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
+class GroundingEntity(BaseModel):
+    phrase: str
+    span: list[int]            # [start, end) in Grounding.text
+    boxes: list[list[float]]   # (x0, y0, x1, y1), fractions of the image
+
+
+class Grounding(BaseModel):
+    """Kosmos-2: the generated text as transformers post-processes it (location tokens removed)
+    and the phrases it grounded, with their boxes. Present only for such models."""
+    text: str
+    entities: list[GroundingEntity]
+
+
+def _drop_null_grounding(handler, obj):
+    out = handler(obj)
+    if out.get("grounding", 0) is None:
+        out.pop("grounding")
+    return out
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -368,6 +388,11 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    grounding: Grounding | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _drop_null_grounding(handler, self)
 
 
 class CompletionResponse(BaseModel):
@@ -446,6 +471,11 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    grounding: Grounding | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _drop_null_grounding(handler, self)
 
 
 class ChatCompletionResponse(BaseModel):

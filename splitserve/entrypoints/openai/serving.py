@@ -402,7 +402,8 @@ class OpenAIServing:
                 choices.append(CompletionChoice(index=i * params.n + o.index, text=echoes[i] + o.text, logprobs=lp,
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                                 prompt_logprobs=prompt_logprobs_out(self.token_text,
-                                                                                    final.prompt_logprobs)))
+                                                                                    final.prompt_logprobs),
+                                                grounding=o.grounding))
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals))
         return json_response(body)
 
@@ -505,7 +506,7 @@ class OpenAIServing:
             lp = chat_logprobs(self.token_text, o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
             message, finish = tools_io.message_out(plan, self.tool_parser, o.text, o.finish_reason)
             choices.append(ChatChoice(index=o.index, message=message, logprobs=lp,
-                                      finish_reason=finish, stop_reason=o.stop_reason))
+                                      finish_reason=finish, stop_reason=o.stop_reason, grounding=o.grounding))
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage([final]),
                                       prompt_logprobs=prompt_logprobs_out(self.token_text, final.prompt_logprobs))

@@ -1,0 +1,324 @@
+"""CogVLM (`CogVLMForCausalLM`, THUDM/cogvlm-chat-hf; remote code in the real world).
+
+Vision: EVA2-CLIP-E (conv patches + class token + learned positions; layers whose attention and MLP
+outputs are LayerNorm-ed before the residual add), the class token dropped, a GLU projector
+(linear, LayerNorm, GELU, SiLU-gated MLP) into the decoder's width, and learned `boi` / `eoi`
+vectors around the patches: (S/p)^2 + 2 tokens per image.
+
+Language: Llama whose every layer has a *visual expert*: its own QKV (with bias), output dense and
+MLP weights for image tokens. The choice is data, never a loop over requests: before a step with
+image tokens the multimodal step encoder calls `prepare_step_tokens`, which writes a per-token
+expert mask and a RoPE shift into static buffers; each layer computes both weight sets and selects
+by the mask (steps without image tokens see zeros: the last layer clears what it used).
+
+Positions: the published model gives the whole image 3 positions (boi p, every patch p + 1, eoi
+p + 2), and text after it continues from there. The engine's positions are token indices (they also
+address the KV cache), so the rotary angle of the tokens up to the image's end is shifted instead:
+token i is rotated at published_position(i) + D (D = image tokens - 3), a pre-rotation by the
+shift before the attention op rotates at i. Attention only sees position differences, so this is
+the published model exactly, and every token after the image needs no shift (decode steps are plain
+steps). It also needs every request with an image to have it in the same place: the published
+prompt puts the one image right after BOS (`build_conversation_input_ids`), and so does this one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.distributed.parallel_state import pp_group, tp_group
+from splitserve.layers.linear import Linear
+from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.rotary import apply_rotary_qk
+from splitserve.models.decoder import DecoderLayer
+from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.multimodal.media import MediaError
+from splitserve.multimodal.processor import IMAGE_MARKER, to_device_pixels
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_STEP_TOKENS = 65536  # the expert buffers' size: the most tokens one step may hold
+
+
+def load_cogvlm_config(directory: str):
+    """A LlamaConfig for the decoder, carrying the vision settings as `vision_config` (a dict)."""
+    from transformers import LlamaConfig
+    with open(os.path.join(directory, "config.json")) as f:
+        raw = json.load(f)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps",
+            "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+            "tie_word_embeddings", "hidden_act", "torch_dtype")
+    config = LlamaConfig(**{k: raw[k] for k in keys if k in raw}, rope_theta=raw.get("rope_theta", 10000.0),
+                         num_key_value_heads=raw["num_attention_heads"], attention_bias=False, mlp_bias=False)
+    config.vision_config = dict(raw["vision_config"])
+    config.template_version = raw.get("template_version", "chat")
+    config.architectures = ["CogVLMForCausalLM"]
+    return config
+
+
+class CogVLMImageProcessor:
+    """The published transform: bicubic resize to S x S (no crop), CLIP normalization."""
+
+    def __init__(self, side: int):
+        self.side = side
+        self.mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
+        self.std = torch.tensor(CLIP_STD).view(3, 1, 1)
+
+    def __call__(self, images, return_tensors: str = "pt") -> dict:
+        from PIL import Image
+        out = []
+        for img in images:
+            x = np.asarray(img.convert("RGB").resize((self.side, self.side), Image.BICUBIC), dtype=np.float32)
+            out.append((torch.from_numpy(x / 255.0).permute(2, 0, 1) - self.mean) / self.std)
+        return {"pixel_values": torch.stack(out)}
+
+
+def tokenize_cogvlm_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
+    """[BOS, image marker] + the text without its marker, as build_conversation_input_ids lays a
+    prompt out (the image always follows BOS, wherever the marker stood)."""
+    if text.count(IMAGE_MARKER) > 1:
+        raise MediaError("CogVLM takes one image per prompt (the published model supports no more)")
+    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    if IMAGE_MARKER in text:
+        ids.append(marker_id)
+        text = text.replace(IMAGE_MARKER, "", 1)
+    return ids + list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# -- EVA2-CLIP --------------------------------------------------------------------------------------
+class EvaLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, inter: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm = nn.LayerNorm(dim, eps=eps)
+        self.post_attention_layernorm = nn.LayerNorm(dim, eps=eps)
+        self.attention = nn.Module()
+        self.attention.query_key_value = Linear(dim, 3 * dim, bias=True)
+        self.attention.dense = Linear(dim, dim, bias=True)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = Linear(dim, inter, bias=True)
+        self.mlp.fc2 = Linear(inter, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, D = x.shape
+        q, k, v = self.attention.query_key_value(x).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, D)
+        x = x + self.input_layernorm(self.attention.dense(attn))  # sub-layer norm on the output
+        return x + self.post_attention_layernorm(self.mlp.fc2(F.gelu(self.mlp.fc1(x))))
+
+
+class EvaVision(nn.Module):
+    """`model.vision.*`: EVA2-CLIP + GLU projector + boi/eoi; [N, 3, S, S] -> [N, patches + 2, hidden]."""
+
+    def __init__(self, vc: dict, hidden: int, inter: int):
+        super().__init__()
+        dim = vc["hidden_size"]
+        self.patch_embedding = nn.Module()
+        self.patch_embedding.proj = nn.Conv2d(vc.get("in_channels", 3), dim, vc["patch_size"], vc["patch_size"])
+        self.patch_embedding.cls_embedding = nn.Parameter(torch.empty(1, dim), requires_grad=False)
+        self.patch_embedding.position_embedding = nn.Embedding(vc["num_positions"], dim)
+        self.transformer = nn.Module()
+        self.transformer.layers = nn.ModuleList(
+            EvaLayer(dim, vc["num_heads"], vc["intermediate_size"], vc.get("layer_norm_eps", 1e-6))
+            for _ in range(vc["num_hidden_layers"]))
+        self.linear_proj = nn.Module()
+        glu = self.linear_proj
+        glu.linear_proj = Linear(dim, hidden)
+        glu.norm1 = nn.LayerNorm(hidden)
+        glu.gate_proj, glu.dense_h_to_4h = Linear(hidden, inter), Linear(hidden, inter)
+        glu.dense_4h_to_h = Linear(inter, hidden)
+        self.boi = nn.Parameter(torch.empty(1, 1, hidden), requires_grad=False)
+        self.eoi = nn.Parameter(torch.empty(1, 1, hidden), requires_grad=False)
+        self.requires_grad_(False)
+        if vc.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(f"CogVLM vision hidden_act {vc['hidden_act']!r} is not supported (gelu is)")
+        if (vc["image_size"] // vc["patch_size"]) ** 2 + 1 != vc["num_positions"]:
+            raise ValueError("CogVLM vision_config: num_positions must be (image_size / patch_size)^2 + 1")
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pe = self.patch_embedding
+        x = pe.proj(pixels).flatten(2).transpose(1, 2)
+        x = torch.cat([pe.cls_embedding.expand(x.shape[0], 1, -1), x], dim=1) + pe.position_embedding.weight
+        for layer in self.transformer.layers:
+            x = layer(x)
+        glu = self.linear_proj
+        x = F.gelu(glu.norm1(glu.linear_proj(x[:, 1:])))
+        x = glu.dense_4h_to_h(F.silu(glu.gate_proj(x)) * glu.dense_h_to_4h(x))
+        n = x.shape[0]
+        return torch.cat([self.boi.expand(n, 1, -1).to(x.dtype), x, self.eoi.expand(n, 1, -1).to(x.dtype)], dim=1)
+
+
+# -- the language side --------------------------------------------------------------------------------
+class ExpertTokens(nn.Module):
+    """The per-token data of a step: `vision` (the token takes the visual expert) and `shift` (its
+    RoPE pre-rotation), static buffers the step encoder writes before a step with image tokens."""
+
+    def __init__(self, capacity: int = MAX_STEP_TOKENS):
+        super().__init__()
+        self.register_buffer("vision", torch.zeros(capacity, dtype=torch.bool), persistent=False)
+        self.register_buffer("shift", torch.zeros(capacity, dtype=torch.long), persistent=False)
+
+
+class VisionExpertLayer(DecoderLayer):
+    """A Llama layer plus the visual expert's weights; both run, the mask picks per token."""
+
+    def __init__(self, spec, layer_idx: int, rotary, prefix: str, tokens: ExpertTokens, clears: bool):
+        super().__init__(spec, layer_idx, rotary, None, prefix, layer_idx)
+        H, I = spec.hidden_size, spec.intermediate_size
+        self.vision_qkv = Linear(H, 3 * H, bias=True)
+        self.vision_dense = Linear(H, H, bias=False)
+        self.vision_mlp = nn.ModuleDict({"gate_proj": Linear(H, I), "up_proj": Linear(H, I), "down_proj": Linear(I, H)})
+        object.__setattr__(self, "_tokens", tokens)  # shared by every layer, owned by the model
+        self.clears = clears
+        self.rotary = rotary
+        self.heads, self.head_dim = spec.num_heads, spec.head_dim
+
+    def attn_inputs(self, x, residual):
+        x, residual = self.input_layernorm(x, residual)
+        T = x.shape[0]
+        vision = self._tokens.vision[:T, None]
+        qkv = torch.where(vision, self.vision_qkv(x), self.self_attn.qkv_proj(x))
+        q, k, v = self.self_attn.qkv_proj.split(qkv)
+        q, k = apply_rotary_qk(q.view(T, self.heads, self.head_dim), k.view(T, self.heads, self.head_dim),
+                               self._tokens.shift[:T], self.rotary.cos_sin)
+        return q.reshape(T, -1), k.reshape(T, -1), v, residual
+
+    def attn_outputs(self, attn_out, residual):
+        T = attn_out.shape[0]
+        vision = self._tokens.vision[:T, None]
+        x = torch.where(vision, self.vision_dense(attn_out), self.self_attn.o_proj(attn_out))
+        x, residual = self.post_attention_layernorm(x, residual)
+        m = self.vision_mlp
+        expert = m["down_proj"](F.silu(m["gate_proj"](x)) * m["up_proj"](x))
+        x = torch.where(vision, expert, self.mlp(x))
+        if self.clears:  # the step's data is used up: the next step without image tokens sees zeros
+            self._tokens.vision[:T].zero_()
+            self._tokens.shift[:T].zero_()
+        return x, residual
+
+
+class CogVLMForCausalLM(VisionLanguageModel):
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("CogVLM: quantized checkpoints are not supported")
+        if tp_group().world_size > 1 or pp_group().world_size > 1:
+            raise ValueError("CogVLM: tensor / pipeline parallelism is not supported for the visual expert yet")
+        self.config = config
+        self.language_model = lm = build_language_model(config, None, "model", "lm_head")
+        self.expert_tokens = ExpertTokens()
+        rotary = lm.layers[0].self_attn.attn.rotary
+        n = len(lm.layers)
+        lm.layers = nn.ModuleList(VisionExpertLayer(lm.spec, i, rotary, f"model.layers.{i}.", self.expert_tokens,
+                                                    clears=i == n - 1) for i in range(n))
+        vc = config.vision_config
+        self.vision = EvaVision(vc, config.hidden_size, config.intermediate_size)
+        self.side = vc["image_size"]
+        self.tokens_per_image = (vc["image_size"] // vc["patch_size"]) ** 2 + 2
+        self.image_token_id = getattr(config, "image_token_id", None)
+
+    # -- front-end hooks (multimodal/processor.py) -------------------------------------------------
+    def load_image_processor(self, directory: str) -> CogVLMImageProcessor:
+        return CogVLMImageProcessor(self.side)
+
+    @staticmethod
+    def tokenize_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
+        return tokenize_cogvlm_prompt(tokenizer, text, marker_id)
+
+    def check_mm_prompt(self, prompt) -> None:
+        """The RoPE shift is one per image layout: one image, right after BOS (or first)."""
+        if len(prompt.mm_items) > 1:
+            raise MediaError("CogVLM takes one image per prompt (the published model supports no more)")
+        if prompt.mm_items and prompt.mm_items[0].offset > 1:
+            raise MediaError("CogVLM's image must come first in the prompt (after BOS), as the published "
+                             "prompt layout has it")
+
+    # -- images ------------------------------------------------------------------------------------
+    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
+        return self.tokens_per_image
+
+    def encode_images(self, items) -> list[torch.Tensor]:
+        feats = self.vision(to_device_pixels(items, self._param.device, self._param.dtype))
+        return list(feats.unbind(0))
+
+    def prepare_step_tokens(self, spans, total: int) -> None:
+        """Writes the expert mask and RoPE shift of a step's tokens (spans: (request state, first
+        token, count, first flat row) of the requests computing tokens up to their image's end)."""
+        if total > MAX_STEP_TOKENS:
+            raise ValueError(f"CogVLM: a step of {total} tokens exceeds {MAX_STEP_TOKENS}")
+        vision = np.zeros(total, dtype=bool)
+        shift = np.zeros(total, dtype=np.int64)
+        for state, start, n, row in spans:
+            if not state.mm_items:
+                continue
+            item = state.mm_items[0]
+            o, N = item.offset, item.num_tokens
+            d = N - 3
+            i = np.arange(start, start + n)
+            vision[row:row + n] = (i >= o) & (i < o + N - 1)  # the eoi token takes the language weights
+            # published positions + D: up to the first patch i + D, patches o + 1 + D, from eoi on i
+            shift[row:row + n] = np.where(i <= o + 1, d, np.where(i < o + N - 1, o + 1 + d - i, 0))
+        dev = self.expert_tokens.vision.device
+        self.expert_tokens.vision[:total].copy_(torch.from_numpy(vision).to(dev, non_blocking=True))
+        self.expert_tokens.shift[:total].copy_(torch.from_numpy(shift).to(dev, non_blocking=True))
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        vision = dict(self.vision.named_parameters())
+        layers = self.language_model.layers
+        H = self.config.hidden_size
+
+        def copy(param: torch.Tensor, tensor: torch.Tensor, name: str, target: str) -> None:
+            tensor = as_tensor(tensor)
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(target)
+
+        def text_weights():
+            for name, tensor in weights:
+                if name.startswith("model.vision."):
+                    rest = name[len("model.vision."):]
+                    if rest not in vision:
+                        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the vision model")
+                    copy(vision[rest], tensor, name, f"vision.{rest}")
+                    continue
+                if not name.startswith("model.layers."):
+                    yield name, tensor
+                    continue
+                _, _, index, rest = name.split(".", 3)
+                layer = layers[int(index)]
+                base = f"model.layers.{index}."
+                if rest.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer: the table is the engine's own
+                if rest.startswith("self_attn.language_expert_query_key_value."):
+                    q, k, v = as_tensor(tensor).split(H, dim=0)
+                    param = rest.rsplit(".", 1)[1]
+                    yield from ((f"{base}self_attn.{p}_proj.{param}", t) for p, t in zip("qkv", (q, k, v)))
+                elif rest.startswith("self_attn.language_expert_dense."):
+                    yield f"{base}self_attn.o_proj.{rest.rsplit('.', 1)[1]}", tensor
+                elif rest.startswith("mlp.language_mlp."):
+                    yield f"{base}mlp.{rest[len('mlp.language_mlp.'):]}", tensor
+                elif rest.startswith("self_attn.vision_expert_query_key_value."):
+                    param = rest.rsplit(".", 1)[1]
+                    copy(getattr(layer.vision_qkv, param), tensor, name, f"layers.{index}.vision_qkv.{param}")
+                elif rest.startswith("self_attn.vision_expert_dense."):
+                    copy(layer.vision_dense.weight, tensor, name, f"layers.{index}.vision_dense.weight")
+                elif rest.startswith("mlp.vision_mlp."):
+                    module, param = rest[len("mlp.vision_mlp."):].split(".")
+                    if module not in layer.vision_mlp:
+                        raise ValueError(f"checkpoint tensor {name!r} matches no parameter")
+                    copy(getattr(layer.vision_mlp[module], param), tensor, name,
+                         f"layers.{index}.vision_mlp.{module}.{param}")
+                else:
+                    yield name, tensor
+
+        text_loaded = self.language_model.load_weights(text_weights())
+        loaded |= {f"language_model.{n}" for n in text_loaded}
+        return {n if not n.startswith("layers.") else f"language_model.{n}" for n in loaded}

@@ -1,0 +1,139 @@
+"""Kosmos-2 (`Kosmos2ForConditionalGeneration`): a CLIP-style ViT, a latent-query resampler of 64
+tokens, and its own text decoder, which is the configurable decoder's `kosmos_2_text_model` family
+(sinusoidal positions, LayerNorm, GELU, a LayerNorm inside attention and inside the MLP, inputs
+scaled by sqrt(hidden)).
+
+Image stage (batchful, all images of a step at once): ViT (no class-token pooling: every token goes
+through `post_layernorm`, then is L2-normalised) -> `image_to_text_projection`: a linear map into the
+text width, then one cross-attention whose queries are 64 learned latents and whose keys/values are
+the projected image tokens followed by the latents themselves.
+
+Prompt layout (transformers' Kosmos2Processor, `format_prompt`): BOS, `<image>`, 64 image slots (token ids
+unk + 1 ... unk + 64, whose embeddings the features replace), `</image>`, the text. One image's run
+here is those 66 tokens; the features at `<image>` / `</image>` are those tokens' embeddings, so the
+run is one unit for the encoder cache. `<image>` marks an image in text and in token-id prompts.
+
+Grounding: generated `<phrase>` / `<object>` / `<patch_index_NNNN>` tokens become transformers'
+post-processed text and entities with bounding boxes (`postprocess_text`, the front's hook).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.layers.linear import Linear
+from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.vision import VisionTower
+from splitserve.models.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
+from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.multimodal.processor import to_device_pixels
+
+# Ids of the released kosmos-2-patch14-224 vocabulary, for a folder without a tokenizer to ask.
+_BOI_ID, _EOI_ID, _UNK_ID = 64003, 64004, 3
+
+
+class LatentQueryResampler(nn.Module):
+    """`image_to_text_projection`: [N, tokens, vision hidden] -> [N, latent_query_num, text hidden]."""
+
+    def __init__(self, vision_dim: int, dim: int, num_heads: int, num_queries: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dense = Linear(vision_dim, dim, bias=True)
+        self.latent_query = nn.Parameter(torch.empty(num_queries, dim), requires_grad=False)
+        self.x_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            setattr(self.x_attn, name, Linear(dim, dim, bias=True))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.dense(features)
+        queries = self.latent_query.expand(x.shape[0], -1, -1)
+        context = torch.cat([x, queries], dim=1)
+        a = self.x_attn
+        q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+                   for t in (a.q_proj(queries), a.k_proj(context), a.v_proj(context)))
+        return a.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class Kosmos2ForConditionalGeneration(VisionLanguageModel):
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        self.config = config
+        text = config.text_config
+        self.language_model = build_language_model(text, quant_config, "text_model.model", "text_model.lm_head")
+        vcfg = config.vision_config
+        self.vision_tower = VisionTower(vcfg, vcfg.num_hidden_layers, class_token=True)
+        self.post_layernorm = nn.LayerNorm(vcfg.hidden_size, eps=vcfg.layer_norm_eps)
+        self.post_layernorm.requires_grad_(False)
+        self.image_to_text_projection = LatentQueryResampler(vcfg.hidden_size, text.hidden_size,
+                                                             text.num_attention_heads, config.latent_query_num)
+        self.num_queries = config.latent_query_num
+        self.image_token_id = checkpoint_token_id(config, "<image>", _BOI_ID)
+        self.end_image_id = checkpoint_token_id(config, "</image>", _EOI_ID)
+        self.first_slot_id = checkpoint_special_id(config, "unk_token", _UNK_ID) + 1
+
+    # -- images ----------------------------------------------------------------------------------
+    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
+        return self.num_queries + 2
+
+    def image_run_ids(self, image, placeholder_id: int) -> list[int]:
+        return [placeholder_id, *range(self.first_slot_id, self.first_slot_id + self.num_queries), self.end_image_id]
+
+    def format_prompt(self, text: str, num_images: int, tokenizer) -> tuple[str, bool]:
+        """Kosmos2Processor's text: BOS, then (for a prompt without `<image>` markers) one marker per
+        image before the stripped text; tokenized without special tokens (so no EOS)."""
+        text = text.strip()
+        if num_images and "<image>" not in text:
+            text = " ".join(["<image>"] * num_images) + " " + text
+        return (tokenizer.bos_token or "") + text, False
+
+    def encode_images(self, items) -> list[torch.Tensor]:
+        pixels = to_device_pixels(items, self._param.device, self._param.dtype)
+        feats = F.normalize(self.post_layernorm(self.vision_tower(pixels)), dim=-1)
+        latents = self.image_to_text_projection(feats)
+        ends = self.language_model.embed(torch.tensor([self.image_token_id, self.end_image_id],
+                                                      device=latents.device)).to(latents.dtype)
+        return [torch.cat([ends[:1], f, ends[1:]]) for f in latents]
+
+    # -- grounding -------------------------------------------------------------------------------
+    def postprocess_text(self, text: str) -> dict:
+        """transformers' Kosmos-2 post-processing of generated text: the text without location
+        tokens, and entities (phrase, (start, end) in that text, boxes as (x0, y0, x1, y1) in [0, 1])."""
+        from transformers.models.kosmos2.processing_kosmos2 import clean_text_and_extract_entities_with_bboxes
+        cleaned, entities = clean_text_and_extract_entities_with_bboxes(text.split("</image>")[-1])
+        return {"text": cleaned, "entities": [{"phrase": phrase, "span": list(span), "boxes": [list(b) for b in boxes]}
+                                              for phrase, span, boxes in entities]}
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        own = {n: p for n, p in self.named_parameters() if n.startswith(("post_layernorm.", "image_to_text_projection."))}
+
+        def text_weights():
+            for name, tensor in weights:
+                if name.startswith("text_model."):
+                    yield name[len("text_model."):], tensor
+                elif name.startswith("vision_model.model.post_layernorm."):
+                    name = name[len("vision_model.model."):]
+                    _copy(own, name, as_tensor(tensor))
+                    loaded.add(name)
+                elif name.startswith("vision_model.model."):
+                    filled = self.vision_tower.load_weight(name[len("vision_model.model."):], as_tensor(tensor))
+                    if filled:
+                        loaded.add(f"vision_tower.{filled}")
+                elif name in own:
+                    _copy(own, name, as_tensor(tensor))
+                    loaded.add(name)
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
+        return loaded
+
+
+def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
+    if params[name].shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+    params[name].data.copy_(tensor)
