@@ -89,3 +89,19 @@ def test_t5_bad_input_is_a_clear_error(t5_dir):
         llm.generate([list(range(3, 40))], PARAMS, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt token ids must be integers"):
         llm.generate([[5, 10 ** 9]], PARAMS, use_tqdm=False)
+
+
+@torch.inference_mode()
+def test_t5_encoder_takes_input_embeddings(t5_dir):
+    """`encode_embeds` (BLIP-2's Q-Former output goes in there) vs transformers' encoder on the same
+    inputs_embeds, for a ragged batch (each sequence padded and masked to its own length)."""
+    from splitserve.models.loader import load_hf_config, load_model
+    from splitserve.models.resolve import resolve_model
+    path, hf = t5_dir
+    source = resolve_model(path)
+    _, model = load_model(source, load_hf_config(source), torch.float32, "cpu")
+    g = torch.Generator().manual_seed(4)
+    embeds = [torch.randn(n, hf.config.d_model, generator=g) for n in (5, 17, 9)]
+    got = model.encode_embeds(embeds)
+    want = torch.cat([hf.encoder(inputs_embeds=e[None]).last_hidden_state[0] for e in embeds])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
