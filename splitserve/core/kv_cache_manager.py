@@ -15,7 +15,7 @@ owner.
 
 Encoder-decoder models keep a second group per request: the cross-attention K/V of its encoder
 output, `num_blocks_for(request.num_encoder_tokens)` blocks from the same pool, allocated when the
-request is admitted (`allocate_encoder`) and freed with it (`free`: finished, aborted or preempted).
+request is admitted (`allocate_encoder`, after its decoder's blocks) and freed with it (`free`: finished, aborted or preempted).
 They are never registered in the prefix cache (a request's own encoder fills them); the decoder's
 blocks carry the encoder input's identity in their hashes, so decoder blocks are shared only between
 requests with the same encoder input.
@@ -147,13 +147,14 @@ class KVCacheManager:
                                       tuple(request.token_slice(i * bs, (i + 1) * bs)))
         self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
 
-    def allocate_encoder(self, request: Request, reserve: int = 0) -> bool:
-        """Allocates the request's cross-attention blocks, leaving at least `reserve` blocks free (its
-        decoder's first blocks). False, changing nothing, if they do not fit."""
+    def allocate_encoder(self, request: Request) -> bool:
+        """Allocates the request's cross-attention blocks. False, changing nothing, if they do not fit.
+        Call after its decoder's allocate_slots: that takes its prefix hits out of the free queue,
+        where this allocation could otherwise evict and reuse them."""
         n = self.num_blocks_for(request.num_encoder_tokens)
         if request.request_id in self._encoder_blocks:
             raise RuntimeError(f"request {request.request_id!r} already holds its encoder blocks")
-        if n + reserve > self.pool.num_free_blocks:
+        if n > self.pool.num_free_blocks:
             return False
         blocks = self.pool.allocate(n)
         self._encoder_blocks[request.request_id] = blocks

@@ -134,11 +134,12 @@ class Scheduler:
                 break  # its encoder runs whole: wait for a step with room for it
             hits, num_cached = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget - enc)
-            if enc and not self.kv.allocate_encoder(request, reserve=self.kv.num_blocks_for(num_cached + n)):
-                break
+            # The decoder's blocks first: its prefix hits may sit free in the pool, where the encoder's
+            # allocation could otherwise take (and overwrite) them.
             if not self.kv.allocate_slots(request, n, hits):
-                if enc:
-                    self.kv.free_encoder(request)
+                break
+            if enc and not self.kv.allocate_encoder(request):
+                self.kv.free(request)  # gives back the decoder blocks (and the hits' references) just taken
                 break
             self.waiting.popleft()
             if request.lora_request is not None:

@@ -59,6 +59,8 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
 
 
 class EngineFront:
+    encoder_decoder = False  # set per model in __init__ (class defaults for stand-ins that skip it)
+    decoder_start_token_id = None
     def __init__(self, spec: ModelSpec, tokenizer, num_blocks: int, block_size: int, mm_processor=None,
                  stream_interval: int = 1):
         self.source = spec.source

@@ -55,3 +55,29 @@ def test_token_id_prompt_marks_the_image_with_the_placeholder(deplot_dir):
     small = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=32, attention_backend="torch_ref")
     with pytest.raises(ValueError, match="encoder input has"):
         small.generate([{"prompt": DEPLOT_PROMPT, "multi_modal_data": {"image": chart}}], params, use_tqdm=False)
+
+
+def test_deplot_preemption_and_aborts(deplot_dir):
+    """A pool that holds about two requests' encoder blocks: preempted requests run their encoder
+    again from the patches the worker kept; aborted ones leave nothing behind."""
+    path, hf, processor = deplot_dir
+    charts = [bar_chart([0.1 * (i + 1), 0.5, 0.9 - 0.1 * i], (60 + 17 * i, 90 - 9 * i), seed=i) for i in range(6)]
+    llm = LLM(path, num_blocks=25, block_size=8, max_num_batched_tokens=256, max_num_seqs=4,
+              attention_backend="torch_ref")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    from splitserve.multimodal.processor import offline_prompt
+    ids = [engine.add_request(f"c{i}", offline_prompt(engine, {"prompt": DEPLOT_PROMPT, "multi_modal_data": {"image": c}}),
+                              params, stream=False) for i, c in enumerate(charts)]
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+        steps += 1
+        if steps == 3:
+            engine.abort_request(ids[5])
+    assert engine.scheduler.num_preemptions > 0
+    for i in range(5):
+        assert finished[ids[i]].outputs[0].token_ids == hf_greedy(hf, processor, charts[i], DEPLOT_PROMPT)[0], i
+    assert ids[5] not in finished
+    assert engine.kv_manager.pool.is_whole() and not engine.core.runner.encdec.inputs
