@@ -32,7 +32,8 @@ def activation(name: str):
     return _ACTIVATIONS[name]
 
 
-def _layer_norm(dim: int, eps: float) -> nn.LayerNorm:
+def layer_norm(dim: int, eps: float) -> nn.LayerNorm:
+    """A LayerNorm with frozen parameters (inference only)."""
     norm = nn.LayerNorm(dim, eps=eps)
     norm.weight.requires_grad_(False)
     norm.bias.requires_grad_(False)
@@ -55,12 +56,15 @@ class VisionAttention(nn.Module):
 
 
 class VisionEncoderLayer(nn.Module):
-    def __init__(self, config):
+    """A pre-norm ViT layer; `self_attn` is CLIP's attention unless a tower brings its own (BLIP-2's
+    merged-qkv attention)."""
+
+    def __init__(self, config, self_attn: nn.Module | None = None):
         super().__init__()
         dim = config.hidden_size
-        self.layer_norm1 = _layer_norm(dim, config.layer_norm_eps)
-        self.self_attn = VisionAttention(dim, config.num_attention_heads)
-        self.layer_norm2 = _layer_norm(dim, config.layer_norm_eps)
+        self.layer_norm1 = layer_norm(dim, config.layer_norm_eps)
+        self.self_attn = self_attn if self_attn is not None else VisionAttention(dim, config.num_attention_heads)
+        self.layer_norm2 = layer_norm(dim, config.layer_norm_eps)
         self.mlp = nn.Module()
         self.mlp.fc1 = Linear(dim, config.intermediate_size, bias=True)
         self.mlp.fc2 = Linear(config.intermediate_size, dim, bias=True)
@@ -110,7 +114,7 @@ class VisionTower(nn.Module):
         if any(not 0 <= i <= total for i in self.feature_layers):
             raise ValueError(f"vision feature layer {feature_layers} is out of range for {total} layers")
         self.embeddings = VisionEmbeddings(config, class_token=self.is_clip)
-        self.pre_layrnorm = _layer_norm(config.hidden_size, config.layer_norm_eps) if self.is_clip else None
+        self.pre_layrnorm = layer_norm(config.hidden_size, config.layer_norm_eps) if self.is_clip else None
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(max(self.feature_layers)))
         self.num_patches = (config.image_size // config.patch_size) ** 2
@@ -205,7 +209,7 @@ class DownsampleMlpProjector(nn.Module):
     def __init__(self, vision_dim: int, text_dim: int):
         super().__init__()
         self.layers = nn.ModuleDict({
-            "1": _layer_norm(4 * vision_dim, 1e-5),
+            "1": layer_norm(4 * vision_dim, 1e-5),
             "2": Linear(4 * vision_dim, text_dim, bias=True),
             "4": Linear(text_dim, text_dim, bias=True),
         })

@@ -27,15 +27,9 @@ from torch import nn
 
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor
-from splitserve.layers.vision import activation
+from splitserve.layers.vision import VisionEncoderLayer, activation, layer_norm
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
-
-
-def _layer_norm(dim: int, eps: float) -> nn.LayerNorm:
-    norm = nn.LayerNorm(dim, eps=eps)
-    norm.requires_grad_(False)
-    return norm
 
 
 def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -58,23 +52,6 @@ class Blip2VisionAttention(nn.Module):
         return self.projection(out.transpose(1, 2).flatten(2))
 
 
-class Blip2VisionLayer(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        dim = config.hidden_size
-        self.layer_norm1 = _layer_norm(dim, config.layer_norm_eps)
-        self.self_attn = Blip2VisionAttention(dim, config.num_attention_heads, getattr(config, "qkv_bias", True))
-        self.layer_norm2 = _layer_norm(dim, config.layer_norm_eps)
-        self.mlp = nn.Module()
-        self.mlp.fc1 = Linear(dim, config.intermediate_size, bias=True)
-        self.mlp.fc2 = Linear(config.intermediate_size, dim, bias=True)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.layer_norm2(x))))
-
-
 class Blip2VisionModel(nn.Module):
     """[N, 3, S, S] -> [N, 1 + patches, hidden]: every token after the post-norm (the Q-Former reads all)."""
 
@@ -89,8 +66,11 @@ class Blip2VisionModel(nn.Module):
         num_positions = (config.image_size // config.patch_size) ** 2 + 1
         self.embeddings.position_embedding = nn.Parameter(torch.empty(1, num_positions, dim), requires_grad=False)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(Blip2VisionLayer(config) for _ in range(config.num_hidden_layers))
-        self.post_layernorm = _layer_norm(dim, config.layer_norm_eps)
+        self.encoder.layers = nn.ModuleList(
+            VisionEncoderLayer(config, Blip2VisionAttention(config.hidden_size, config.num_attention_heads,
+                                                            getattr(config, "qkv_bias", True)))
+            for _ in range(config.num_hidden_layers))
+        self.post_layernorm = layer_norm(dim, config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         emb = self.embeddings
@@ -119,7 +99,7 @@ class QFormerAttention(nn.Module):
         self.attention.value = Linear(kv_dim, dim, bias=True)
         self.output = nn.Module()
         self.output.dense = Linear(dim, dim, bias=True)
-        self.output.LayerNorm = _layer_norm(dim, eps)
+        self.output.LayerNorm = layer_norm(dim, eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         a = self.attention
@@ -141,7 +121,7 @@ class QFormerLayer(nn.Module):
         self.intermediate_query.dense = Linear(dim, config.intermediate_size, bias=True)
         self.output_query = nn.Module()
         self.output_query.dense = Linear(config.intermediate_size, dim, bias=True)
-        self.output_query.LayerNorm = _layer_norm(dim, eps)
+        self.output_query.LayerNorm = layer_norm(dim, eps)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
@@ -155,7 +135,7 @@ class QFormerLayer(nn.Module):
 class QFormer(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.layernorm = _layer_norm(config.hidden_size, config.layer_norm_eps)
+        self.layernorm = layer_norm(config.hidden_size, config.layer_norm_eps)
         freq = config.cross_attention_frequency
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(QFormerLayer(config, i % freq == 0) for i in range(config.num_hidden_layers))
