@@ -74,6 +74,24 @@ class Request:
     # LoRA: its adapter (lora.request.LoRARequest), and whether it holds the adapter's GPU slot.
     lora_request: object | None = None
     lora_pinned: bool = False
+    # Encoder-decoder models: the encoder's input (token ids: T5; images come in mm_items), how many
+    # encoder positions its cross-attention K/V hold (0: a decoder-only request), and the cross blocks
+    # they sit in (the KV manager's second group; empty until admitted, freed with the request).
+    encoder_prompt_ids: list[int] = field(default_factory=list)
+    num_encoder_tokens: int = 0
+    encoder_block_ids: list[int] = field(default_factory=list)
+
+    _encoder_hash: int | None = None
+
+    @property
+    def encoder_hash(self) -> int | None:
+        """Identity of the encoder input: the decoder's blocks depend on it (through cross-attention),
+        so it keys their prefix-cache hashes. None for a decoder-only request. Computed once."""
+        if not self.num_encoder_tokens:
+            return None
+        if self._encoder_hash is None:
+            self._encoder_hash = hash((tuple(self.encoder_prompt_ids), tuple(item.hash for item in self.mm_items)))
+        return self._encoder_hash
 
     def add_prompt_logprobs(self, start: int, entries: list[dict[int, float]], ranks: list[int]) -> None:
         """Prompt logprobs of prompt tokens start + 1 ... from one computed chunk. A chunk computed

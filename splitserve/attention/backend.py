@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.attention.cross_ref import CrossAttentionMetadata, cross_attention_padded, store_cross_kv_ref
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: stores saturate there
 
@@ -46,6 +48,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor  # host copies: for backends that loop on the host
     seq_lens_cpu: torch.Tensor
+    # Encoder-decoder models: the step's cross-attention layout (attention/cross_ref.py); None else.
+    cross: CrossAttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +70,16 @@ class DecodeGraphState:
     seq_lens: torch.Tensor          # [N] int32, 0 for padding rows
     block_tables: torch.Tensor      # [N, max_blocks_per_seq] int32
     max_model_len: int
+
+
+@dataclass
+class CrossGraphState:
+    """Static cross-attention buffers of decode graphs (encoder-decoder models): each sequence's
+    encoder length (0 in padding rows) and cross block table, refilled in place before a replay."""
+    enc_lens: torch.Tensor          # [N] int32
+    block_tables: torch.Tensor      # [N, max_enc_blocks] int32
+    query_start_loc: torch.Tensor   # [N+1] int32, 0..N
+    max_enc_len: int
 
 
 @dataclass(frozen=True)
@@ -99,12 +113,51 @@ class AttentionBackend:
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, pos_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Stores k/v and attends. With a rotary table (cos_sin, see layers/rotary.apply_rotary) q and
         k are first rotated at `positions`: the model hands them over straight from its projection.
         k_scale / v_scale: the FP8 cache's scales (see the layouts above); ignored for other caches.
-        sliding_window / soft_cap: the layer's window and logit cap (see above); None: none."""
+        sliding_window / soft_cap: the layer's window and logit cap (see above); None: none.
+        pos_bias: [num_heads, max_len] fp32, added to the scaled logit of a query at p and a key at n
+        as pos_bias[h, p - n] (T5's relative position buckets, tabulated once by the model); None: none."""
         raise NotImplementedError
+
+    # -- cross-attention (encoder-decoder models) ------------------------------------------------------
+    def cross_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CrossAttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """Each decoder query over its sequence's encoder K/V (non-causal, ragged encoder lengths).
+        KERNEL PLUG-IN POINT: the default is the padded torch maths (attention/cross_ref.py), which
+        reads no host value and so can be captured in a decode graph; a backend may override it."""
+        return cross_attention_padded(q, kv_cache, meta, scale)
+
+    def store_cross_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+        """Writes a step's encoder K/V ([E, Hkv, D]) into the cross blocks at `slots` ([E] int64)."""
+        store_cross_kv_ref(k, v, kv_cache, slots)
+
+    def cross_graph_state(self, max_num_seqs: int, max_enc_blocks: int, block_size: int,
+                          device: torch.device) -> CrossGraphState:
+        n = max_num_seqs
+        return CrossGraphState(torch.zeros(n, dtype=torch.int32, device=device),
+                               torch.zeros(n, max_enc_blocks, dtype=torch.int32, device=device),
+                               torch.arange(n + 1, dtype=torch.int32, device=device), max_enc_blocks * block_size)
+
+    def capture_cross_metadata(self, state: CrossGraphState, num_seqs: int) -> CrossAttentionMetadata:
+        """The cross metadata a decode graph of num_seqs sequences is captured with: views of the
+        state's buffers, one query each, contexts padded to the longest encoder input."""
+        b = num_seqs
+        return CrossAttentionMetadata(state.query_start_loc[:b + 1], state.enc_lens[:b], state.block_tables[:b],
+                                      1, state.max_enc_len, torch.zeros(b, dtype=torch.int32),
+                                      torch.arange(b + 1, dtype=torch.int32))
+
+    def prepare_cross_replay(self, state: CrossGraphState, meta: CrossAttentionMetadata, padded: int) -> None:
+        """Copies a decode step's cross metadata into the state before the graph of `padded` rows
+        replays; padding rows get encoder length 0 (their output is zeros, ignored)."""
+        n = meta.num_seqs
+        state.enc_lens[:n].copy_(meta.enc_lens)
+        state.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if padded > n:
+            state.enc_lens[n:padded].fill_(0)
 
     # -- metadata ------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

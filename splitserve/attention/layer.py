@@ -47,13 +47,14 @@ def forward_context(ctx: ForwardContext):
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor | None, num_heads: int, num_kv_heads: int, scale: float,
-                 sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
+                 sliding_window: int = 0, soft_cap: float = 0.0,
+                 pos_bias: torch.Tensor | None = None) -> torch.Tensor:
     return _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
-                      sliding_window, soft_cap)
+                      sliding_window, soft_cap, pos_bias)
 
 
 def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
-               sliding_window=0, soft_cap=0.0):
+               sliding_window=0, soft_cap=0.0, pos_bias=None):
     """The op's body: the backend's forward on the step's metadata."""
     ctx = _context
     if ctx is None:
@@ -63,13 +64,13 @@ def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_head
     out = ctx.backend.forward(q.view(T, num_heads, head_dim), k.view(T, num_kv_heads, head_dim),
                               v.view(T, num_kv_heads, head_dim), kv_cache, ctx.meta, scale, positions, cos_sin,
                               k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window or None,
-                              soft_cap=soft_cap or None)
+                              soft_cap=soft_cap or None, **({} if pos_bias is None else {"pos_bias": pos_bias}))
     return out.reshape(T, num_heads * head_dim)
 
 
 @attention_op.register_fake
 def _(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
-      sliding_window=0, soft_cap=0.0):
+      sliding_window=0, soft_cap=0.0, pos_bias=None):
     return q.new_empty(q.shape)
 
 
@@ -104,6 +105,9 @@ class Attention(nn.Module):
         # whatever the model's dtype; unused unless the cache is FP8.
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        # T5's relative position bias, [num_heads, max_len] fp32 indexed by query - key distance; set
+        # by the model after loading (None: none). See AttentionBackend.forward.
+        self.register_buffer("pos_bias", None, persistent=False)
 
     def load_kv_scale(self, which: str, tensor: torch.Tensor) -> None:
         """Sets k_scale or v_scale (`which`) from a checkpoint tensor holding one positive value."""
@@ -122,7 +126,11 @@ class Attention(nn.Module):
             # dispatch (Python, about 0.1 ms a call: 3 ms a step of a 30-layer model). Same result.
             return _attention(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
                               self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
-                              self.soft_cap or 0.0)
+                              self.soft_cap or 0.0, self.pos_bias)
+        if self.pos_bias is not None:
+            return attention_op(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
+                                self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
+                                self.soft_cap or 0.0, self.pos_bias)
         return attention_op(q, k, v, self.kv_cache, self.k_scale, self.v_scale, positions, cos_sin,
                             self.num_heads, self.num_kv_heads, self.scale, self.sliding_window or 0,
                             self.soft_cap or 0.0)

@@ -57,9 +57,15 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           soft_cap: float | None = None) -> torch.Tensor:
+           soft_cap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention in fp32 over [..., L, D] tensors; with soft_cap the scaled logits become
-    soft_cap * tanh(logits / soft_cap) before the mask and softmax (Gemma 2)."""
+    soft_cap * tanh(logits / soft_cap) before the mask and softmax (Gemma 2). bias (broadcast like
+    the mask) is added to the scaled logits: T5's relative position bias."""
+    if bias is not None:
+        if soft_cap is not None:
+            raise NotImplementedError("a position bias together with a soft cap")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.float().masked_fill(~mask, float("-inf")),
+                                              scale=scale)
     if soft_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     logits = (q @ k.transpose(-1, -2)) * scale
@@ -67,9 +73,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
+def relative_bias(pos_bias: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[H, *q_pos.shape, K] bias of queries at q_pos over keys at k_pos from a per-head table indexed by
+    the distance q - k >= 0 (`pos_bias` [H, max_len]); keys after a query (masked anyway) read entry 0."""
+    d = (q_pos[..., None] - k_pos).clamp(0, pos_bias.shape[1] - 1)
+    return pos_bias[:, d]
+
+
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        pos_bias: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.zeros_like(q)
     num_heads, num_kv_heads, block_size = q.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     qsl = meta.query_start_loc_cpu.tolist()
@@ -88,14 +102,16 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         vi = from_cache(v.transpose(0, 1), v_scale).repeat_interleave(num_heads // num_kv_heads, dim=0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(first_block * block_size, seq_len, device=q.device)
-        o = attend(qi, ki, vi, visible(q_pos, k_pos, sliding_window), scale, soft_cap)
+        bias = None if pos_bias is None else relative_bias(pos_bias, q_pos, k_pos)
+        o = attend(qi, ki, vi, visible(q_pos, k_pos, sliding_window), scale, soft_cap, bias)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 
 def decode_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                             sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                             sliding_window: int | None = None, soft_cap: float | None = None,
+                             pos_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-decode batches (one query per sequence) in one attention call over the padded contexts:
     the same maths as the per-sequence loop, without a Python loop over sequences."""
     B, num_heads, D = q.shape
@@ -116,7 +132,10 @@ def decode_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     pos = torch.arange(L, device=q.device)[None, :]
     mask = (pos < meta.seq_lens[:, None]) & (pos >= lo[:, None])
-    out = attend(q[:, :, None, :].float(), k, v, mask[:, None, None, :], scale, soft_cap)
+    bias = None
+    if pos_bias is not None:  # [H, B, L] -> [B, H, 1, L]
+        bias = relative_bias(pos_bias, meta.seq_lens.long() - 1, pos[0]).transpose(0, 1)[:, :, None, :]
+    out = attend(q[:, :, None, :].float(), k, v, mask[:, None, None, :], scale, soft_cap, bias)
     return out[:, :, 0].to(q.dtype)
 
 
@@ -132,9 +151,9 @@ class TorchRefBackend(AttentionBackend):
         self._cpu = CpuAttention() if cpu_path else None
 
     def forward(self, q, k, v, kv_cache, meta, scale, positions=None, cos_sin=None, k_scale=None, v_scale=None,
-                sliding_window=None, soft_cap=None):
+                sliding_window=None, soft_cap=None, pos_bias=None):
         if (self._cpu is not None and kv_cache.device.type == "cpu" and kv_cache.dtype in CPU_PATH_CACHE_DTYPES
-                and sliding_window is None and soft_cap is None):
+                and sliding_window is None and soft_cap is None and pos_bias is None):
             return self._cpu.forward(q, k, v, kv_cache, meta, scale, positions, cos_sin)
         if cos_sin is not None:
             q, k = apply_rotary(q, positions, cos_sin), apply_rotary(k, positions, cos_sin)
@@ -142,5 +161,6 @@ class TorchRefBackend(AttentionBackend):
             k_scale = v_scale = None  # only an FP8 cache is scaled
         store_kv_ref(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs and meta.num_seqs > 1:
-            return decode_attention_batched(q, kv_cache, meta, scale, k_scale, v_scale, sliding_window, soft_cap)
-        return paged_attention_ref(q, kv_cache, meta, scale, k_scale, v_scale, sliding_window, soft_cap)
+            return decode_attention_batched(q, kv_cache, meta, scale, k_scale, v_scale, sliding_window, soft_cap,
+                                            pos_bias)
+        return paged_attention_ref(q, kv_cache, meta, scale, k_scale, v_scale, sliding_window, soft_cap, pos_bias)

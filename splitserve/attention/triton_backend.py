@@ -43,7 +43,13 @@ class TritonBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, positions: torch.Tensor | None = None,
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, pos_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if pos_bias is not None:
+            # KERNEL PLUG-IN POINT: the kernels add no relative position bias (T5) yet; such layers take
+            # the reference's plain functions (its batched decode path reads no host value).
+            from splitserve.attention.torch_ref import TorchRefBackend
+            return TorchRefBackend(cpu_path=False).forward(q, k, v, kv_cache, meta, scale, positions, cos_sin,
+                                                           k_scale, v_scale, sliding_window, soft_cap, pos_bias)
         rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin, k_scale, v_scale)  # one pass
         return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale,
                            sliding_window, soft_cap)

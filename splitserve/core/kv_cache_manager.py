@@ -12,6 +12,13 @@ while it sits free, so later requests with the same prefix can still revive it. 
 block at scheduling time is safe although an earlier launched step may still read it: steps run
 in order on the device, so that read is done before any later step writes the block for its new
 owner.
+
+Encoder-decoder models keep a second group per request: the cross-attention K/V of its encoder
+output, `num_blocks_for(request.num_encoder_tokens)` blocks from the same pool, allocated when the
+request is admitted (`allocate_encoder`, after its decoder's blocks) and freed with it (`free`: finished, aborted or preempted).
+They are never registered in the prefix cache (a request's own encoder fills them); the decoder's
+blocks carry the encoder input's identity in their hashes, so decoder blocks are shared only between
+requests with the same encoder input.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock | None]] = {}
         self._num_passed: dict[str, int] = {}  # request id -> leading blocks freed by the window
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
+        self._encoder_blocks: dict[str, list[KVBlock]] = {}  # request id -> its cross-attention blocks
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0     # of those, tokens found
 
@@ -41,6 +49,8 @@ class KVCacheManager:
         share a block) and the hashes of the images whose placeholders overlap them (none for text),
         so a cached block is reused only for the same adapter and image."""
         lora = (request.lora_request.lora_int_id,) if request.lora_request is not None else ()
+        if request.num_encoder_tokens:  # cross-attention makes every decoder block depend on the encoder input
+            return lora + (request.encoder_hash,)
         if not request.mm_items:
             return lora
         return lora + tuple(item.hash for item in request.mm_items if item.offset < end and item.end > start)
@@ -137,7 +147,28 @@ class KVCacheManager:
                                       tuple(request.token_slice(i * bs, (i + 1) * bs)))
         self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
 
+    def allocate_encoder(self, request: Request) -> bool:
+        """Allocates the request's cross-attention blocks. False, changing nothing, if they do not fit.
+        Call after its decoder's allocate_slots: that takes its prefix hits out of the free queue,
+        where this allocation could otherwise evict and reuse them."""
+        n = self.num_blocks_for(request.num_encoder_tokens)
+        if request.request_id in self._encoder_blocks:
+            raise RuntimeError(f"request {request.request_id!r} already holds its encoder blocks")
+        if n > self.pool.num_free_blocks:
+            return False
+        blocks = self.pool.allocate(n)
+        self._encoder_blocks[request.request_id] = blocks
+        request.encoder_block_ids = [b.block_id for b in blocks]
+        return True
+
+    def free_encoder(self, request: Request) -> None:
+        blocks = self._encoder_blocks.pop(request.request_id, [])
+        self.pool.free(list(reversed(blocks)))
+        request.encoder_block_ids = []
+
     def free(self, request: Request) -> None:
+        """Frees both of the request's groups (decoder blocks and cross-attention blocks)."""
+        self.free_encoder(request)
         blocks = self._blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         self._num_passed.pop(request.request_id, None)

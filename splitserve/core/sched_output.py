@@ -21,7 +21,7 @@ matchers; the worker masks those rows' logits on the device. None in every other
 core's own process gets the rows first and the masks after the forward is enqueued (see GrammarBitmask).
 
 The worker applies a message in this order: finished, preempted, new, resumed, block additions; then
-runs `num_scheduled_tokens`. Removals are idempotent (an unknown id is ignored), so a message whose
+runs `num_scheduled_tokens` (the encoders of `encoder_runs` first). Removals are idempotent (an unknown id is ignored), so a message whose
 step failed to launch can have its removals sent again with the next one.
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: tuple[int, ...] = ()  # banned while under min_tokens (unless ignore_eos)
     mm_items: tuple[ImageItem, ...] = ()
     lora_id: int = 0                   # its LoRA adapter's int id (0: none); the slot comes from lora_loads
+    encoder_prompt_ids: list[int] = []  # encoder-decoder models: the encoder's token ids (T5)
+    num_encoder_tokens: int = 0        # encoder positions (0: decoder-only)
 
 
 class ResumedRequestData(msgspec.Struct, array_like=True):
@@ -80,6 +82,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     preempted_req_ids: list[str] = []  # blocks freed since the last message; the worker keeps their state
     grammar: GrammarBitmask | None = None  # structured outputs: masks of the constrained rows that sample
     lora_loads: list[LoRASlotLoad] = []  # LoRA adapters to put into GPU slots before this step runs
+    # Encoder-decoder models: requests whose encoder runs in this step (admitted, or resumed after a
+    # preemption) -> their cross block ids; the worker writes the encoder K/V there before the decoder.
+    encoder_runs: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:

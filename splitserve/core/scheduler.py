@@ -22,6 +22,13 @@ scheduler, in the engine core: structured_output/manager.py).
 LoRA: a request with an adapter is admitted only once the adapter is in host memory and has (or can
 take) a GPU slot; otherwise it is passed over like a compiling grammar. A running request pins its
 adapter's slot (lora/manager.py), so a step never holds more distinct adapters than --max-loras.
+
+Encoder-decoder models: a request's first step (and its first after a preemption) runs its encoder:
+its encoder positions count against the step's token budget like prefill tokens (the encoder is not
+chunked, so a request waits for a step with room for all of them) and its cross-attention blocks
+are allocated with its first decoder blocks (`KVCacheManager.allocate_encoder`). The step message
+lists the requests whose encoder runs (`encoder_runs`, with their cross blocks). Preemption frees
+both groups; the request's encoder runs again when it is readmitted.
 """
 from __future__ import annotations
 
@@ -58,6 +65,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_encoder_tokens >= self.config.max_num_batched_tokens:
+            raise ValueError(f"the encoder input has {request.num_encoder_tokens} positions; a step runs at most "
+                             f"{self.config.max_num_batched_tokens} tokens (max_num_batched_tokens) including "
+                             f"the decoder's first token")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -118,9 +129,17 @@ class Scheduler:
             if request.lora_request is not None and not self.lora.can_admit(request.lora_request):
                 compiling.append(self.waiting.popleft())  # adapter loading, or every slot held
                 continue
+            enc = request.num_encoder_tokens
+            if enc and enc >= budget:
+                break  # its encoder runs whole: wait for a step with room for it
             hits, num_cached = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_cached, budget)
+            n = min(request.num_tokens - num_cached, budget - enc)
+            # The decoder's blocks first: its prefix hits may sit free in the pool, where the encoder's
+            # allocation could otherwise take (and overwrite) them.
             if not self.kv.allocate_slots(request, n, hits):
+                break
+            if enc and not self.kv.allocate_encoder(request):
+                self.kv.free(request)  # gives back the decoder blocks (and the hits' references) just taken
                 break
             self.waiting.popleft()
             if request.lora_request is not None:
@@ -142,8 +161,11 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                     num_cached, request.eos_token_ids, request.mm_items,
-                    request.lora_request.lora_int_id if request.lora_request is not None else 0))
-            budget -= n
+                    request.lora_request.lora_int_id if request.lora_request is not None else 0,
+                    request.encoder_prompt_ids, enc))
+            if enc:
+                out.encoder_runs[request.request_id] = list(request.encoder_block_ids)
+            budget -= n + enc
         self.waiting.extendleft(reversed(compiling))
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget

@@ -59,6 +59,8 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
 
 
 class EngineFront:
+    encoder_decoder = False  # set per model in __init__ (class defaults for stand-ins that skip it)
+    decoder_start_token_id = None
     def __init__(self, spec: ModelSpec, tokenizer, num_blocks: int, block_size: int, mm_processor=None,
                  stream_interval: int = 1):
         self.source = spec.source
@@ -78,6 +80,14 @@ class EngineFront:
             spec.config, model=dataclasses.replace(spec.config.model, eos_token_ids=tuple(sorted(eos))))
         self.mm_processor = mm_processor
         self.kv_capacity_tokens = num_blocks * block_size
+        self.block_size = block_size
+        # Encoder-decoder models (T5): the text prompt is the encoder's input, the decoder starts
+        # from the model's decoder start token.
+        hf = spec.config.model.hf_config
+        self.encoder_decoder = bool(getattr(hf, "is_encoder_decoder", False))
+        self.decoder_start_token_id = getattr(hf, "decoder_start_token_id", None)
+        if self.encoder_decoder and self.decoder_start_token_id is None:
+            self.decoder_start_token_id = getattr(hf, "pad_token_id", None) or 0
         self.output_processor = OutputProcessor(
             tokenizer, stream_interval, getattr(getattr(mm_processor, "model", None), "postprocess_text", None))
         self._ids = itertools.count()
@@ -189,6 +199,14 @@ class EngineFront:
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt, params)
+        encoder_ids: list[int] = []
+        num_encoder_tokens = 0
+        if self.encoder_decoder and hasattr(prompt_ids, "mm_items"):
+            # an image encoder: the model's processor built the decoder prompt and the encoder's items
+            num_encoder_tokens = self.validate_encoder_length(sum(it.num_tokens for it in prompt_ids.mm_items), params)
+        elif self.encoder_decoder:
+            encoder_ids, prompt_ids = self.validate_encoder(prompt_ids, params), [self.decoder_start_token_id]
+            num_encoder_tokens = len(encoder_ids)
         total = self.validate(prompt_ids, params)
         arrival = arrival_time or time.monotonic()
         eos = self.config.model.eos_token_ids
@@ -197,5 +215,31 @@ class EngineFront:
         self.output_processor.add_request(state)
         mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
-                                              lora_request, priority)
+                                              lora_request, priority, list(encoder_ids), num_encoder_tokens)
                             for c in state.children]
+
+    def validate_encoder(self, encoder_ids: list[int], params: SamplingParams) -> list[int]:
+        """Checks an encoder-decoder request's encoder input (the tokenized prompt): its encoder runs
+        whole in one step, so it must fit the step's token budget with the decoder's first token, and
+        its cross K/V must fit the cache beside the decoder's tokens."""
+        if not encoder_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in encoder_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        self.validate_encoder_length(len(encoder_ids), params)
+        return encoder_ids
+
+    def validate_encoder_length(self, n: int, params: SamplingParams) -> int:
+        budget = self.config.scheduler.max_num_batched_tokens
+        if n >= budget:
+            raise ValueError(f"the encoder input has {n} positions; this encoder-decoder model runs a request's "
+                             f"encoder in one step of at most {budget - 1} (max_num_batched_tokens {budget}, one "
+                             f"for the decoder)")
+        bs = self.block_size
+        need = -(-n // bs) * bs + 1 + (params.max_tokens or 1)
+        if need > self.kv_capacity_tokens:
+            raise ValueError(f"request needs {need} tokens of KV cache (encoder and decoder), but the cache holds "
+                             f"only {self.kv_capacity_tokens} tokens")
+        return n

@@ -28,6 +28,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     mm_items: tuple[ImageItem, ...] = ()
     lora_request: LoRARequest | None = None
     priority: int = 0              # --scheduling-policy priority: lower runs first
+    # Encoder-decoder models: the encoder's token ids (images: mm_items) and its positions; the
+    # prompt_token_ids are then the decoder's (its start token).
+    encoder_prompt_ids: list[int] = []
+    num_encoder_tokens: int = 0
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True):

@@ -41,6 +41,8 @@ def load_hf_config(source: ModelSource):
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(source.directory)
     expose_text_config(config)
+    if getattr(config, "d_kv", None) and not getattr(config, "head_dim", None):
+        config.head_dim = config.d_kv  # T5: heads * d_kv need not be d_model; the KV cache is sized by it
     if not getattr(config, "architectures", None):
         arch = ARCHITECTURES.get(config.model_type)
         config.architectures = [arch] if arch else [f"<model_type {config.model_type}>"]

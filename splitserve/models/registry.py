@@ -13,6 +13,9 @@ _MODELS = {
     "LlavaNextForConditionalGeneration": ("splitserve.models.llava", "LlavaNextForConditionalGeneration"),
     "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
+    # encoder-decoder models (cross-attention: attention/cross.py)
+    "T5ForConditionalGeneration": ("splitserve.models.t5", "T5ForConditionalGeneration"),
+    "Pix2StructForConditionalGeneration": ("splitserve.models.pix2struct", "Pix2StructForConditionalGeneration"),
     "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "CogVLMForCausalLM"),
     "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),

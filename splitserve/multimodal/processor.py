@@ -212,7 +212,8 @@ def build_mm_processor(model, source, tokenizer) -> MultiModalProcessor | None:
     """The processor for a vision-language model, None for a text-only one."""
     if not getattr(model, "is_multimodal", False):
         return None
-    return MultiModalProcessor(model, source.directory, tokenizer)
+    own = getattr(model, "mm_processor_class", None)  # a model whose prompts are not placeholder runs
+    return (own() if own is not None else MultiModalProcessor)(model, source.directory, tokenizer)
 
 
 def to_device_pixels(items: list[ImageItem], device, dtype) -> torch.Tensor:

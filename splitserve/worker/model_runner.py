@@ -169,9 +169,15 @@ class ModelRunner:
         self.steps_by_path = {"decode_graph": 0, "piecewise": 0, "eager": 0}
         # Vision-language models: encodes a step's images and builds its input embeddings.
         self.mm = None
-        if getattr(model, "is_multimodal", False):
+        if getattr(model, "is_multimodal", False) and not getattr(model, "is_encoder_decoder", False):
             from splitserve.multimodal.step import MultiModalStepEncoder
             self.mm = MultiModalStepEncoder(model)
+        # Encoder-decoder models: runs the encoders a step asks for and lays out its cross-attention.
+        self.encdec = None
+        if getattr(model, "is_encoder_decoder", False):
+            from splitserve.worker.encoder_decoder import EncoderDecoderStep
+            self.encdec = EncoderDecoderStep(model, self.backend, config.scheduler.max_num_seqs,
+                                             config.scheduler.max_num_batched_tokens, self.block_size, self.device)
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_layout(self) -> tuple[int, int]:
@@ -216,7 +222,8 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(num_layers)]
         for module in self.model.modules():
-            if isinstance(module, Attention):
+            # A cross-attention layer shares its decoder layer's tensor (its blocks are another group's).
+            if isinstance(module, Attention) or getattr(module, "shares_layer_kv_cache", False):
                 module.kv_cache = self.kv_caches[module.layer_idx]
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block() / (1 << 30), str(self.kv_cache_dtype).removeprefix("torch."))
@@ -224,8 +231,8 @@ class ModelRunner:
     # -- fast path (CUDA) --------------------------------------------------------------------------
     def setup_fast_path(self) -> None:
         """Compiles the decoder layers and captures decode CUDA graphs (CUDA without enforce_eager)."""
-        if self.device.type != "cuda" or self.config.compile.enforce_eager:
-            return
+        if self.device.type != "cuda" or self.config.compile.enforce_eager or self.encdec is not None:
+            return  # (encoder-decoder models run eagerly for now)
         start = time.perf_counter()
         compile_decoder_layers(self.model)
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
@@ -262,6 +269,8 @@ class ModelRunner:
         """Applies a step message's deltas to the persistent batch without running a step (a message
         that schedules nothing but carries removals)."""
         self.input_batch.update(sched)
+        if self.encdec is not None:
+            self.encdec.update(sched)
 
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:
         """Applies the message to the persistent batch, lays the step out in staging buffers and copies
@@ -393,6 +402,8 @@ class ModelRunner:
         step_no = self.num_launched
         batch = self.prepare(sched, inflight)
         self.num_launched += 1
+        if self.encdec is not None:
+            self.encdec.prepare(sched, batch.meta, self.input_batch)
         if self.mm is not None and batch.mm_spans:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)

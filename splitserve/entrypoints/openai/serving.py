@@ -30,7 +30,7 @@ from splitserve.entrypoints.openai import tool_calls_serving as tools_io
 from splitserve.entrypoints.openai.serving_logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
                                                             prompt_logprobs_out)
 from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
-from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, chat_image_sources
+from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_messages_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES
 from splitserve.sampling_params import SamplingParams
@@ -483,11 +483,15 @@ class OpenAIServing:
         await tools_io.check_tools(self, plan)
         await self._check_constraint(params, "tools" if tools_io.constrained(plan) else req.constraint_field)
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
-        prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
-                                      self.apply_chat_template, req.messages, req.add_generation_prompt,
-                                      req.continue_final_message, req.chat_template_kwargs, tokenize=not sources,
-                                      tools=req.tools)
-        if sources:
+        if sources and hasattr(self.mm_processor, "chat_prompt_from_messages"):  # no chat template (Pix2Struct)
+            prompt = await build_messages_prompt(self.mm_processor, self.media_policy,
+                                                 [m.model_dump() for m in req.messages], sources)
+        else:
+            prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
+                                          self.apply_chat_template, req.messages, req.add_generation_prompt,
+                                          req.continue_final_message, req.chat_template_kwargs, tokenize=not sources,
+                                          tools=req.tools)
+        if sources and not hasattr(self.mm_processor, "chat_prompt_from_messages"):
             prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = self._truncate(prompt, params)

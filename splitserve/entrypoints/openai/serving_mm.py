@@ -40,3 +40,14 @@ async def build_chat_prompt(mm: MultiModalProcessor, policy: MediaPolicy, text: 
         return await asyncio.to_thread(lambda: mm.chat_prompt_from_text(text, [mm.process_image(img) for img in images]))
     except MediaError as e:
         raise APIError(400, str(e), param="messages") from None
+
+
+async def build_messages_prompt(mm, policy: MediaPolicy, messages: list[dict], sources: list) -> MultiModalPrompt:
+    """For a processor that builds its prompt from the messages themselves (`chat_prompt_from_messages`:
+    encoder-decoder models such as Pix2Struct, whose text is not a chat-templated decoder prompt)."""
+    try:
+        mm.check_count(len(sources), policy)
+        images = [await _load(s, policy) for s in sources]
+        return await asyncio.to_thread(lambda: mm.chat_prompt_from_messages(messages, [mm.process_image(img) for img in images]))
+    except MediaError as e:
+        raise APIError(400, str(e), param="messages") from None

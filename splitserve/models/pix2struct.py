@@ -1,0 +1,294 @@
+"""Pix2Struct (`Pix2StructForConditionalGeneration`; Deplot, chart -> data table): a ViT over
+variable-resolution patches in front of a T5-style text decoder, on the engine's encoder-decoder path.
+
+- **Front**: `Pix2StructPromptProcessor` (the model's multimodal processor, found through
+  `mm_processor_class`) renders the text prompt as a header above the image (Deplot's "Generate
+  underlying data table of the figure below:"; `is_vqa` models), cuts the result into at most
+  `max_patches` patches with transformers' Pix2Struct image processor (the aspect ratio kept, so the
+  patch grid varies per image), and sends the real patches (row and column ids in their first two
+  columns) as the request's one `ImageItem`; the decoder's prompt is its start token. The encoder
+  input's identity (image and header) keys the decoder's prefix-cache hashes.
+- **Encoder** (batchful, once per request): patch projection + row and column embeddings, pre-norm
+  layers (T5LayerNorm, unscaled attention without position bias, gated-GELU MLP), a final norm; all
+  of a step's images in one padded batch, each masked to its own patch count.
+- **Decoder**: T5's (relative position bias in layer 0, shared; self-attention, cross-attention,
+  gated MLP), through the engine's attention and cross-attention ops; an untied LM head, no output
+  scaling.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.attention.cross import CrossAttention
+from splitserve.attention.layer import Attention
+from splitserve.models.t5 import _ACTIVATIONS, T5LayerNorm, relative_position_bucket
+
+DEPLOT_PROMPT = "Generate underlying data table of the figure below:"
+
+
+class _Attn(nn.Module):
+    def __init__(self, hidden: int, inner: int, num_buckets: int | None = None, num_heads: int = 0):
+        super().__init__()
+        self.query = nn.Linear(hidden, inner, bias=False)
+        self.key = nn.Linear(hidden, inner, bias=False)
+        self.value = nn.Linear(hidden, inner, bias=False)
+        self.output = nn.Linear(inner, hidden, bias=False)
+        if num_buckets is not None:
+            self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
+
+
+class _GatedMlp(nn.Module):
+    def __init__(self, hidden: int, d_ff: int, act: str):
+        super().__init__()
+        self.wi_0 = nn.Linear(hidden, d_ff, bias=False)
+        self.wi_1 = nn.Linear(hidden, d_ff, bias=False)
+        self.wo = nn.Linear(d_ff, hidden, bias=False)
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"Pix2Struct dense_act_fn {act!r} is not supported; known: {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
+
+
+class _Named(nn.Module):
+    """A container whose children carry the checkpoint's names."""
+
+    def __init__(self, **children: nn.Module):
+        super().__init__()
+        for name, child in children.items():
+            setattr(self, name, child)
+
+
+class Pix2StructForConditionalGeneration(nn.Module):
+    is_encoder_decoder = True
+    is_multimodal = True  # the front builds its processor (mm_processor_class); the encoder takes images
+
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("quantized Pix2Struct checkpoints are not supported")
+        self.config = config
+        v, t = config.vision_config, config.text_config
+        self.vision_heads, self.vision_head_dim = v.num_attention_heads, v.d_kv
+        vis_inner = v.num_attention_heads * v.d_kv
+        layers = [_Named(attention=_Attn(v.hidden_size, vis_inner),
+                         mlp=_GatedMlp(v.hidden_size, v.d_ff, v.dense_act_fn),
+                         pre_mlp_layer_norm=T5LayerNorm(v.hidden_size, v.layer_norm_eps),
+                         pre_attention_layer_norm=T5LayerNorm(v.hidden_size, v.layer_norm_eps))
+                  for _ in range(v.num_hidden_layers)]
+        self.encoder = _Named(
+            embeddings=_Named(patch_projection=nn.Linear(v.patch_embed_hidden_size, v.hidden_size),
+                              row_embedder=nn.Embedding(v.seq_len, v.hidden_size),
+                              column_embedder=nn.Embedding(v.seq_len, v.hidden_size)),
+            encoder=_Named(layer=nn.ModuleList(layers)),
+            layernorm=T5LayerNorm(v.hidden_size, v.layer_norm_eps))
+        if t.hidden_size % t.num_heads:
+            raise ValueError(f"Pix2Struct text hidden_size {t.hidden_size} is not a multiple of num_heads {t.num_heads}")
+        self.num_heads, self.head_dim = t.num_heads, t.hidden_size // t.num_heads
+        eps = t.layer_norm_epsilon
+        blocks = []
+        for i in range(t.num_layers):
+            bias = dict(num_buckets=t.relative_attention_num_buckets, num_heads=t.num_heads) if i == 0 else {}
+            blocks.append(_Named(
+                self_attention=_Named(attention=_Attn(t.hidden_size, t.hidden_size, **bias),
+                                      layer_norm=T5LayerNorm(t.hidden_size, eps)),
+                encoder_decoder_attention=_Named(attention=_Attn(t.hidden_size, t.hidden_size),
+                                                 layer_norm=T5LayerNorm(t.hidden_size, eps)),
+                mlp=_Named(DenseReluDense=_GatedMlp(t.hidden_size, t.d_ff, t.dense_act_fn),
+                           layer_norm=T5LayerNorm(t.hidden_size, eps))))
+        self.decoder = _Named(embed_tokens=nn.Embedding(t.vocab_size, t.hidden_size), layer=nn.ModuleList(blocks),
+                              final_layer_norm=T5LayerNorm(t.hidden_size, eps),
+                              lm_head=nn.Linear(t.hidden_size, t.vocab_size, bias=False))
+        self.self_attn = nn.ModuleList(Attention(i, self.num_heads, self.num_heads, self.head_dim, 1.0)
+                                       for i in range(t.num_layers))
+        self.cross_attn = nn.ModuleList(CrossAttention(i, self.num_heads, self.num_heads, self.head_dim, 1.0)
+                                        for i in range(t.num_layers))
+        self._bias_ready = False
+
+    # the front's processor (multimodal/processor.build_mm_processor)
+    @staticmethod
+    def mm_processor_class():
+        return Pix2StructPromptProcessor
+
+    # -- encoder ---------------------------------------------------------------------------------------
+    def encode(self, inputs: list[tuple[list[int], int, tuple]]) -> torch.Tensor:
+        """Encoder outputs of a step's requests, flat: each input's image is its real patches
+        ([n, 2 + patch pixels]: row id, column id, pixels)."""
+        dev, dtype = self.decoder.embed_tokens.weight.device, self.decoder.embed_tokens.weight.dtype
+        patches = [items[0].pixel_values[:n].to(dev, dtype) for _, n, items in inputs]
+        lens = [p.shape[0] for p in patches]
+        x = torch.nn.utils.rnn.pad_sequence(patches, batch_first=True)  # [N, L, 2 + P]
+        N, L = x.shape[:2]
+        emb = self.encoder.embeddings
+        h = (emb.patch_projection(x[..., 2:]) + emb.row_embedder(x[..., 0].long())
+             + emb.column_embedder(x[..., 1].long()))
+        valid = torch.arange(L, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        mask = torch.zeros(N, 1, 1, L, device=dev).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
+        H, D = self.vision_heads, self.vision_head_dim
+        for layer in self.encoder.encoder.layer:
+            a = layer.pre_attention_layer_norm(h)
+            att = layer.attention
+            q, k, v = (p(a).view(N, L, H, D).transpose(1, 2) for p in (att.query, att.key, att.value))
+            w = torch.softmax((q @ k.transpose(-1, -2)).float() + mask, dim=-1).to(v.dtype)
+            h = h + att.output((w @ v).transpose(1, 2).reshape(N, L, H * D))
+            h = h + layer.mlp(layer.pre_mlp_layer_norm(h))
+        return self.encoder.layernorm(h)[valid]
+
+    def store_cross_kv(self, hidden: torch.Tensor, slots: torch.Tensor, backend) -> None:
+        for block, cross in zip(self.decoder.layer, self.cross_attn):
+            att = block.encoder_decoder_attention.attention
+            cross.store(att.key(hidden), att.value(hidden), slots, backend)
+
+    # -- decoder ---------------------------------------------------------------------------------------
+    def _ensure_bias_table(self) -> None:
+        if self._bias_ready:
+            return
+        t = self.config.text_config
+        max_len = int(getattr(self.config, "max_position_embeddings", None) or 2048) + 1
+        d = torch.arange(max_len, device=self.decoder.embed_tokens.weight.device)
+        buckets = relative_position_bucket(-d, False, t.relative_attention_num_buckets,
+                                           t.relative_attention_max_distance)
+        table = self.decoder.layer[0].self_attention.attention.relative_attention_bias(buckets).t().float()
+        for attn in self.self_attn:
+            attn.pos_bias = table
+        self._bias_ready = True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        self._ensure_bias_table()
+        x = self.decoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for block, attn, cross in zip(self.decoder.layer, self.self_attn, self.cross_attn):
+            sub = block.self_attention
+            h = sub.layer_norm(x)
+            p = sub.attention
+            x = x + p.output(attn(p.query(h), p.key(h), p.value(h), positions))
+            sub = block.encoder_decoder_attention
+            x = x + sub.attention.output(cross(sub.attention.query(sub.layer_norm(x))))
+            x = x + block.mlp.DenseReluDense(block.mlp.layer_norm(x))
+        return self.decoder.final_layer_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.decoder.lm_head.weight
+        return F.linear(hidden, w) if out is None else torch.mm(hidden, w.t(), out=out)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"unexpected Pix2Struct checkpoint tensor {name!r}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"Pix2Struct tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        if "decoder.lm_head.weight" not in loaded and "decoder.embed_tokens.weight" in loaded:
+            with torch.no_grad():  # a tied checkpoint
+                self.decoder.lm_head.weight.copy_(self.decoder.embed_tokens.weight)
+            loaded.add("decoder.lm_head.weight")
+        self._bias_ready = False
+        return loaded
+
+
+def default_font_path() -> str | None:
+    """A TrueType font on this machine for header rendering ($SPLITSERVE_PIX2STRUCT_FONT first):
+    transformers would download Arial from the Hub, which a server may not reach."""
+    env = os.environ.get("SPLITSERVE_PIX2STRUCT_FONT")
+    if env:
+        return env
+    for pattern in ("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/**/*.ttf",
+                    "/usr/share/fonts/**/*.TTF"):
+        found = sorted(glob.glob(pattern, recursive=True))
+        if found:
+            return found[0]
+    return None
+
+
+def render_header(image_processor, img, header: str, font_path: str | None):
+    """The image with `header` rendered above it, by transformers' own `render_header` (what its
+    processor does for VQA models) with a local font: its processor's call takes no font."""
+    if font_path is None:
+        raise ValueError("Pix2Struct header rendering needs a TrueType font: set SPLITSERVE_PIX2STRUCT_FONT")
+    chw = np.asarray(img.convert("RGB")).transpose(2, 0, 1)
+    return image_processor.render_header(chw, header, font_path=font_path).transpose(1, 2, 0)
+
+
+class Pix2StructPromptProcessor:
+    """The front's processor for Pix2Struct: one image per request, the text rendered as its header
+    (VQA-style models such as Deplot; the default header is Deplot's prompt)."""
+
+    def __init__(self, model, model_directory: str, tokenizer):
+        from splitserve.multimodal.processor import load_image_processor
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = load_image_processor(model_directory)
+        self.is_vqa = bool(getattr(self.image_processor, "is_vqa", False))
+        self.font_path = default_font_path()
+        t = model.config.text_config
+        self.decoder_start_token_id = t.decoder_start_token_id
+        # A token-id prompt marks its image with this id; the other ids are decoded as the header.
+        self.placeholder_id = t.pad_token_id if t.pad_token_id is not None else 0
+
+    def process_image(self, img):
+        """(content hash, the decoded image): the patches depend on the header, cut in build_prompt."""
+        from splitserve.multimodal.processor import image_hash
+        return image_hash(img), img
+
+    def load_and_process(self, sources: list, policy):
+        from splitserve.multimodal.media import load_image
+        return [self.process_image(load_image(s, policy)) for s in sources]
+
+    def flattened_patches(self, img, header: str | None) -> torch.Tensor:
+        """The image's real patches [n, 2 + patch pixels] (the processor pads to max_patches)."""
+        if self.is_vqa:
+            img = render_header(self.image_processor, img, header or DEPLOT_PROMPT, self.font_path)
+        out = self.image_processor(images=[img], return_tensors="pt", is_vqa=False)
+        mask = out["attention_mask"][0]
+        n = int(mask.sum())
+        if not bool(mask[:n].all()):
+            raise ValueError("Pix2Struct patches are not a prefix of the processor's output")
+        return out["flattened_patches"][0, :n].contiguous()
+
+    def build_prompt(self, prompt, images):
+        from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt
+        self.check_count(len(images), None)
+        if not isinstance(prompt, str):
+            prompt = self.tokenizer.decode([t for t in prompt if t != self.placeholder_id], skip_special_tokens=True)
+        img_hash, img = images[0]
+        header = prompt.strip() or None
+        patches = self.flattened_patches(img, header)
+        key = f"{img_hash}:{header if self.is_vqa else ''}"  # the header is part of the encoder's input
+        item = ImageItem(key, patches, (img.size[1], img.size[0]), patches.shape[0], 0)
+        return MultiModalPrompt([self.decoder_start_token_id], [item])
+
+    @staticmethod
+    def split_chat(messages: list[dict]):
+        from splitserve.multimodal.processor import MultiModalProcessor
+        return MultiModalProcessor.split_chat(messages)
+
+    def check_count(self, n: int, policy) -> None:
+        from splitserve.multimodal.media import MediaError
+        if n != 1:
+            raise MediaError(f"Pix2Struct takes exactly one image per request, got {n}")
+
+    def chat_prompt_from_messages(self, messages: list[dict], images):
+        """Chat without a template: the text parts of the user's messages are the header (the
+        server calls this instead of rendering a chat template when the processor has it)."""
+        from splitserve.multimodal.processor import IMAGE_MARKER
+        converted, _ = self.split_chat(messages)
+        text = "\n".join(m["content"] for m in converted if m.get("role") == "user")
+        return self.build_prompt(text.replace(IMAGE_MARKER, " ").strip(), images)
+
+    def chat_prompt(self, messages: list[dict], render_text, policy):
+        _, sources = self.split_chat(messages)
+        self.check_count(len(sources), policy)
+        return self.chat_prompt_from_messages(messages, self.load_and_process(sources, policy))
