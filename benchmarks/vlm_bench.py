@@ -117,7 +117,9 @@ def measure_throughput(llm, args, image_token: int, text_only_lengths: list[int]
     params = [SamplingParams(max_tokens=s.output_len, temperature=0, ignore_eos=True) for s in samples]
     runner = llm.engine.runner
     paths_before = dict(getattr(runner, "steps_by_path", {}))  # (older commits do not count them)
-    encoded_before = runner.mm.num_images_encoded
+    # Encoder-decoder models encode their image in the encoder run (no image step encoder): one per request.
+    encoded = (lambda: runner.mm.num_images_encoded) if runner.mm is not None else (lambda: 0)
+    encoded_before = encoded()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -127,7 +129,8 @@ def measure_throughput(llm, args, image_token: int, text_only_lengths: list[int]
     return {"elapsed_s": elapsed, "preprocess_s": preprocess_s, "requests_per_s": len(prompts) / elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (sum(lengths) + n_out) / elapsed,
             "prompt_lengths": lengths, "mean_prompt_tokens": sum(lengths) / len(prompts), "paths": paths,
-            "images_encoded": runner.mm.num_images_encoded - encoded_before}
+            "images_encoded": (encoded() - encoded_before) if runner.mm is not None
+            else (0 if text_only_lengths else len(prompts))}
 
 
 def path_shares(paths: dict) -> str:
@@ -172,7 +175,8 @@ def main(argv=None) -> int:
     ttfts, ttft_prompt_len = measure_ttft(llm, args, image_token)
     tp = measure_throughput(llm, args, image_token)
     text = None if args.no_text_only else measure_throughput(llm, args, image_token, tp["prompt_lengths"])
-    assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
+    assert llm.engine.kv_manager.pool.is_whole()
+    assert llm.engine.runner.mm is None or llm.engine.runner.mm.cache.is_whole()
 
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
     print(f"\nsplitserve VLM benchmark: {'tiny ' if args.tiny else ''}{os.path.basename(os.path.normpath(args.model))} "
