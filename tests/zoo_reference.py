@@ -212,3 +212,13 @@ def generate_on_piecewise_path(path, requests, params):
     assert runner.steps_by_path["piecewise"] > 0 and runner.steps_by_path["eager"] == 0
     assert llm.engine.kv_manager.pool.is_whole() and runner.mm.cache.is_whole()
     return outs
+
+
+def assert_matches_reference(out, want: tuple[list[int], list[int], list[float]], label: str) -> None:
+    """An engine output against the reference's (prompt ids, greedy tokens, their logprobs)."""
+    import pytest
+    want_ids, want_tokens, want_logprobs = want
+    assert out.prompt_token_ids == want_ids, label
+    got = out.outputs[0]
+    assert got.token_ids == want_tokens, label
+    assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(want_logprobs, abs=5e-4)

@@ -12,7 +12,7 @@ import transformers
 
 from splitserve import LLM, SamplingParams
 from tests.multimodal_reference import IMAGE, mm_tokenizer, random_image
-from tests.zoo_reference import NUM_QUERY, blip2_processor, hf_greedy, make_tiny_blip2_dir, run_abort_storm
+from tests.zoo_reference import assert_matches_reference, NUM_QUERY, blip2_processor, hf_greedy, make_tiny_blip2_dir, run_abort_storm
 
 NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
@@ -66,11 +66,7 @@ def test_greedy_parity_mixed_batch(setup):
                 for (text, _), imgs in zip(PROMPTS, images)]
     outs = llm.generate(requests, PARAMS, use_tqdm=False)
     for (text, _), imgs, out in zip(PROMPTS, images, outs):
-        want_ids, want_tokens, want_logprobs = reference(setup, text, imgs)
-        assert out.prompt_token_ids == want_ids, text
-        got = out.outputs[0]
-        assert got.token_ids == want_tokens, text
-        assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(want_logprobs, abs=5e-4)
+        assert_matches_reference(out, reference(setup, text, imgs), text)
     # the image matters: same text, another picture, other logits
     assert outs[0].outputs[0].logprobs[0] != llm.generate(
         {"prompt": PROMPTS[0][0], "multi_modal_data": {"image": random_image(99, (80, 60))}}, PARAMS,

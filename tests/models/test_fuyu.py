@@ -9,7 +9,7 @@ import transformers
 
 from splitserve import LLM, SamplingParams
 from tests.multimodal_reference import random_image
-from tests.zoo_reference import (fuyu_reference_inputs, fuyu_tokenizer, hf_greedy, make_tiny_fuyu_dir,
+from tests.zoo_reference import (assert_matches_reference, fuyu_reference_inputs, fuyu_tokenizer, hf_greedy, make_tiny_fuyu_dir,
                                  run_abort_storm)
 
 NEW_TOKENS = 8
@@ -62,11 +62,7 @@ def test_greedy_parity_mixed_batch(setup):
                 for (text, _), imgs in zip(PROMPTS, images)]
     outs = llm.generate(requests, PARAMS, use_tqdm=False)
     for (text, _), imgs, out in zip(PROMPTS, images, outs):
-        want_ids, want_tokens, want_logprobs = reference(setup, text, imgs)
-        assert out.prompt_token_ids == want_ids, text
-        got = out.outputs[0]
-        assert got.token_ids == want_tokens, text
-        assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(want_logprobs, abs=5e-4)
+        assert_matches_reference(out, reference(setup, text, imgs), text)
     assert llm.engine.runner.mm.num_images_encoded == 5
     assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
 
