@@ -1,4 +1,4 @@
-"""Tiny random BLIP-2 (OPT) and Fuyu checkpoints saved by transformers, and their greedy references."""
+"""Tiny random BLIP-2 (OPT or T5) and Fuyu checkpoints saved by transformers, and their greedy references."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +19,8 @@ def opt_text_config(tokenizer, **overrides) -> dict:
     return kw
 
 
-def make_tiny_blip2_dir(path, tokenizer, seed: int = 0) -> str:
+def make_tiny_blip2_dir(path, tokenizer, seed: int = 0, text_config: dict | None = None) -> str:
+    """A tiny BLIP-2 checkpoint; the language model is OPT unless text_config says otherwise (T5)."""
     from transformers import Blip2Config, Blip2ForConditionalGeneration
     config = Blip2Config(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -27,7 +28,7 @@ def make_tiny_blip2_dir(path, tokenizer, seed: int = 0) -> str:
         # three layers: cross-attention in layers 0 and 2, not in 1
         qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                             cross_attention_frequency=2),
-        text_config=opt_text_config(tokenizer), num_query_tokens=NUM_QUERY,
+        text_config=text_config or opt_text_config(tokenizer), num_query_tokens=NUM_QUERY,
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE))
     model = Blip2ForConditionalGeneration(config)
     _randomize(model, seed)

@@ -110,7 +110,7 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     max_model_len = args.max_model_len or context
     eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
     eos |= set(read_generation_eos(source))
-    arch, _ = get_model_class(hf_config.architectures)
+    arch, _ = get_model_class(hf_config.architectures, hf_config)
     backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
     config = EngineConfig(
         model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos)),

@@ -50,7 +50,7 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
     from splitserve.models.registry import get_model_class
     from splitserve.multimodal.processor import build_mm_processor
     if model is None:
-        _, cls = get_model_class(spec.config.model.hf_config.architectures)
+        _, cls = get_model_class(spec.config.model.hf_config.architectures, spec.config.model.hf_config)
         if not getattr(cls, "is_multimodal", False):
             return None
         with torch.device("meta"):
@@ -61,6 +61,8 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
 class EngineFront:
     encoder_decoder = False  # set per model in __init__ (class defaults for stand-ins that skip it)
     decoder_start_token_id = None
+    encoder_prompt_has_images = False
+
     def __init__(self, spec: ModelSpec, tokenizer, num_blocks: int, block_size: int, mm_processor=None,
                  stream_interval: int = 1):
         self.source = spec.source
@@ -88,6 +90,9 @@ class EngineFront:
         self.decoder_start_token_id = getattr(hf, "decoder_start_token_id", None)
         if self.encoder_decoder and self.decoder_start_token_id is None:
             self.decoder_start_token_id = getattr(hf, "pad_token_id", None) or 0
+        # BLIP-2 T5: the prompt's images sit in the encoder's input (models/blip2_t5.py)
+        self.encoder_prompt_has_images = bool(getattr(getattr(mm_processor, "model", None),
+                                                      "encoder_prompt_has_images", False))
         self.output_processor = OutputProcessor(
             tokenizer, stream_interval, getattr(getattr(mm_processor, "model", None), "postprocess_text", None))
         self._ids = itertools.count()
@@ -201,11 +206,13 @@ class EngineFront:
         prompt_ids = self.tokenize_prompt(prompt, params)
         encoder_ids: list[int] = []
         num_encoder_tokens = 0
-        if self.encoder_decoder and hasattr(prompt_ids, "mm_items"):
+        mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
+        if self.encoder_decoder and mm_items and not self.encoder_prompt_has_images:
             # an image encoder: the model's processor built the decoder prompt and the encoder's items
             num_encoder_tokens = self.validate_encoder_length(sum(it.num_tokens for it in prompt_ids.mm_items), params)
         elif self.encoder_decoder:
-            encoder_ids, prompt_ids = self.validate_encoder(prompt_ids, params), [self.decoder_start_token_id]
+            # the prompt (BLIP-2 T5: with its images' placeholder runs) is the encoder's input
+            encoder_ids, prompt_ids = self.validate_encoder(list(prompt_ids), params), [self.decoder_start_token_id]
             num_encoder_tokens = len(encoder_ids)
         total = self.validate(prompt_ids, params)
         arrival = arrival_time or time.monotonic()
@@ -213,7 +220,6 @@ class EngineFront:
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
                              eos, arrival, self.tokenizer, stream)
         self.output_processor.add_request(state)
-        mm_items = tuple(getattr(prompt_ids, "mm_items", ()))
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
                                               lora_request, priority, list(encoder_ids), num_encoder_tokens)
                             for c in state.children]

@@ -60,7 +60,7 @@ def _config_model_type(directory: str) -> tuple[str | None, list[str] | None]:
 
 
 _TEXT_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-              "vocab_size", "max_position_embeddings", "eos_token_id", "bos_token_id")
+              "vocab_size", "max_position_embeddings", "eos_token_id", "bos_token_id", "decoder_start_token_id")
 
 
 def expose_text_config(config) -> None:
@@ -117,7 +117,7 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
                quant_config: QuantConfig | None = None, max_model_len: int | None = None):
     """The model on `device` with its weights. max_model_len: the longest context the engine serves,
     which picks longrope's frequency set (layers/rotary.py); None: max_position_embeddings."""
-    arch, cls = get_model_class(hf_config.architectures)
+    arch, cls = get_model_class(hf_config.architectures, hf_config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -44,9 +44,18 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architectures: list[str] | None):
+# (architecture, the text config's model_type) -> class, where one architecture name covers models
+# the engine runs differently: BLIP-2 with Flan-T5 is an encoder-decoder, with OPT a decoder-only VLM.
+_BY_TEXT_MODEL = {
+    ("Blip2ForConditionalGeneration", "t5"): ("splitserve.models.blip2_t5", "Blip2T5ForConditionalGeneration"),
+}
+
+
+def get_model_class(architectures: list[str] | None, hf_config=None):
+    """(architecture, model class); `hf_config` picks the variant of an architecture that has several."""
+    text_type = getattr(getattr(hf_config, "text_config", None), "model_type", None)
     for arch in architectures or []:
         if arch in _MODELS:
-            module, name = _MODELS[arch]
+            module, name = _BY_TEXT_MODEL.get((arch, text_type), _MODELS[arch])
             return arch, getattr(importlib.import_module(module), name)
     raise ValueError(f"unsupported model architecture {architectures}; supported: {', '.join(supported_architectures())}")

@@ -1,0 +1,101 @@
+"""BLIP-2 with a Flan-T5 language model (`Blip2ForConditionalGeneration` whose text_config is T5):
+the BLIP-2 vision side in front of T5 on the engine's encoder-decoder path.
+
+- **Prompt** (the generic multimodal processor, as for BLIP-2 OPT): the image's query-token
+  placeholders first, then the tokenized text (Blip2Processor's layout; `<image>` markers place
+  images elsewhere). That whole prompt is the *encoder's* input (`encoder_prompt_has_images`: the
+  front sends its ids as `encoder_prompt_ids`, its images as the request's `mm_items`); the decoder
+  starts from the T5 decoder start token.
+- **Encoder** (once per request, worker/encoder_decoder.py): all images of a step through
+  `Blip2VisionSide` in one batch ([N, num_query_tokens, d_model]), written over the token
+  embeddings of their placeholder runs, then T5's encoder on those embeddings (`encode_embeds`):
+  what transformers' generate does (masked_scatter of the projected queries into
+  embed(input_ids), then the T5 encoder on inputs_embeds).
+- **Decoder**: T5's, unchanged (models/t5.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from splitserve.layers.quantization.base import as_tensor
+from splitserve.models.blip2 import VISION_SIDE_PREFIXES, Blip2VisionSide
+from splitserve.models.t5 import T5ForConditionalGeneration
+from splitserve.multimodal.processor import to_device_pixels
+
+
+class Blip2T5ForConditionalGeneration(nn.Module):
+    is_encoder_decoder = True
+    is_multimodal = True
+    # The front's prompt (placeholder runs + text ids) is the encoder's input, not the decoder's.
+    encoder_prompt_has_images = True
+
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("quantized BLIP-2 T5 checkpoints are not supported")
+        self.config = config
+        self.language_model = T5ForConditionalGeneration(config.text_config)
+        self.vision_side = Blip2VisionSide(config, config.text_config.d_model)
+        self.image_token_id = getattr(config, "image_token_index", None)
+        self.num_query_tokens = config.num_query_tokens
+
+    # -- the generic multimodal processor's hooks (as BLIP-2 OPT) ----------------------------------
+    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
+        return self.num_query_tokens
+
+    def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
+        """A prompt without image markers: the images go first (Blip2Processor's layout)."""
+        return [marker_id] * num_images + ids
+
+    # -- encoder ---------------------------------------------------------------------------------------
+    def encode(self, inputs: list[tuple[list[int], int, tuple]]) -> torch.Tensor:
+        """Encoder outputs of a step's requests, flat: each input is (encoder ids with placeholder
+        runs, their count, the images whose runs they hold)."""
+        lm = self.language_model
+        dev, dtype = lm.shared.weight.device, lm.shared.weight.dtype
+        items = [it for _, _, its in inputs for it in its]
+        feats = iter(self.vision_side(to_device_pixels(items, dev, dtype)).unbind(0)) if items else iter(())
+        embeds = []
+        for ids, n, its in inputs:
+            if len(ids) != n:
+                raise ValueError(f"BLIP-2 T5 encoder input has {len(ids)} ids for {n} positions")
+            x = lm.shared(torch.tensor(ids, dtype=torch.long, device=dev))
+            for it in its:
+                f = next(feats)
+                if it.num_tokens != f.shape[0]:
+                    raise ValueError(f"image run of {it.num_tokens} positions for {f.shape[0]} query tokens")
+                x = torch.cat([x[:it.offset], f.to(x.dtype), x[it.offset + it.num_tokens:]])
+            embeds.append(x)
+        return lm.encode_embeds(embeds)
+
+    def store_cross_kv(self, hidden: torch.Tensor, slots: torch.Tensor, backend) -> None:
+        self.language_model.store_cross_kv(hidden, slots, backend)
+
+    # -- decoder ---------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden, out)
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+
+        def text_weights():
+            for name, tensor in weights:
+                if name.startswith("language_model."):
+                    yield name[len("language_model."):], as_tensor(tensor)
+                elif name.startswith(VISION_SIDE_PREFIXES):
+                    filled = self.vision_side.load_weight(name, as_tensor(tensor))
+                    if filled:
+                        loaded.add(f"vision_side.{filled}")
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
+        return loaded
