@@ -37,12 +37,13 @@ def setup(tmp_path_factory):
 
 
 @torch.inference_mode()
-def reference(setup, text: str, img, new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[float], int]:
+def reference(setup, text: str, img, new_tokens: int = NEW_TOKENS,
+              add_special_tokens: bool = True) -> tuple[list[int], list[float], int]:
     """transformers' greedy tokens, their logprobs, and the encoder length."""
     _, tok, hf, processor = setup
     if IMAGE in text:  # the marker's place: its id repeated once per query token
         image_id = tok.convert_tokens_to_ids(IMAGE)
-        ids = [t for i in tok.encode(text) for t in ([i] * NUM_QUERY if i == image_id else [i])]
+        ids = [t for i in tok.encode(text, add_special_tokens=add_special_tokens) for t in ([i] * NUM_QUERY if i == image_id else [i])]
         inputs = {"input_ids": torch.tensor([ids]),
                   "pixel_values": processor.image_processor(images=[img], return_tensors="pt")["pixel_values"]}
     else:
