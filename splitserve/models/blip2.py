@@ -202,8 +202,8 @@ class Blip2ForConditionalGeneration(VisionLanguageModel):
         self.config = config
         if not getattr(config, "use_decoder_only_language_model", True) or \
                 getattr(config.text_config, "is_encoder_decoder", False):
-            raise ValueError("BLIP-2 with an encoder-decoder language model (T5) is not supported by this "
-                             "decoder-only class")
+            raise ValueError("BLIP-2 with an encoder-decoder language model (T5) is built by "
+                             "models/blip2_t5.py (the registry picks it by text_config.model_type)")
         self.language_model = build_language_model(config.text_config, quant_config, "language_model.model",
                                                    "language_model.lm_head")
         self.vision_side = Blip2VisionSide(config, config.text_config.hidden_size)
