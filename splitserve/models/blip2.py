@@ -196,7 +196,21 @@ class Blip2VisionSide(nn.Module):
 VISION_SIDE_PREFIXES = ("vision_model.", "query_tokens", "qformer.", "language_projection.")
 
 
-class Blip2ForConditionalGeneration(VisionLanguageModel):
+class Blip2PromptLayout:
+    """The processor hooks both BLIP-2 language models share: an image is num_query_tokens
+    placeholders, and a prompt without image markers gets its images first, before BOS
+    (Blip2Processor's layout)."""
+
+    num_query_tokens: int
+
+    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
+        return self.num_query_tokens
+
+    def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
+        return [marker_id] * num_images + ids
+
+
+class Blip2ForConditionalGeneration(Blip2PromptLayout, VisionLanguageModel):
     def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
@@ -211,13 +225,6 @@ class Blip2ForConditionalGeneration(VisionLanguageModel):
         self.num_query_tokens = config.num_query_tokens
 
     # -- images ----------------------------------------------------------------------------------
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.num_query_tokens
-
-    def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
-        """A prompt without image markers: the images go first, before BOS (Blip2Processor's layout)."""
-        return [marker_id] * num_images + ids
-
     def encode_images(self, items) -> list[torch.Tensor]:
         feats = self.vision_side(to_device_pixels(items, self._param.device, self._param.dtype))
         return list(feats.unbind(0))

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from splitserve.layers.quantization.base import as_tensor
-from splitserve.models.blip2 import VISION_SIDE_PREFIXES, Blip2VisionSide
+from splitserve.models.blip2 import VISION_SIDE_PREFIXES, Blip2PromptLayout, Blip2VisionSide
 from splitserve.models.t5 import T5ForConditionalGeneration
 from splitserve.multimodal.processor import to_device_pixels
 
 
-class Blip2T5ForConditionalGeneration(nn.Module):
+class Blip2T5ForConditionalGeneration(Blip2PromptLayout, nn.Module):
     is_encoder_decoder = True
     is_multimodal = True
     # The front's prompt (placeholder runs + text ids) is the encoder's input, not the decoder's.
@@ -41,14 +41,6 @@ class Blip2T5ForConditionalGeneration(nn.Module):
         self.vision_side = Blip2VisionSide(config, config.text_config.d_model)
         self.image_token_id = getattr(config, "image_token_index", None)
         self.num_query_tokens = config.num_query_tokens
-
-    # -- the generic multimodal processor's hooks (as BLIP-2 OPT) ----------------------------------
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.num_query_tokens
-
-    def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
-        """A prompt without image markers: the images go first (Blip2Processor's layout)."""
-        return [marker_id] * num_images + ids
 
     # -- encoder ---------------------------------------------------------------------------------------
     def encode(self, inputs: list[tuple[list[int], int, tuple]]) -> torch.Tensor:
