@@ -196,12 +196,14 @@ class Blip2VisionSide(nn.Module):
 VISION_SIDE_PREFIXES = ("vision_model.", "query_tokens", "qformer.", "language_projection.")
 
 
-class Blip2PromptLayout:
-    """The processor hooks both BLIP-2 language models share: an image is num_query_tokens
-    placeholders, and a prompt without image markers gets its images first, before BOS
-    (Blip2Processor's layout)."""
+class Blip2Common:
+    """What both BLIP-2 language models share: the processor hooks (an image is num_query_tokens
+    placeholders; a prompt without image markers gets its images first, before BOS, as
+    Blip2Processor lays it out) and the weight routing (vision side here, the rest to the
+    language model)."""
 
     num_query_tokens: int
+    vision_side: Blip2VisionSide
 
     def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
         return self.num_query_tokens
@@ -209,8 +211,25 @@ class Blip2PromptLayout:
     def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
         return [marker_id] * num_images + ids
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
 
-class Blip2ForConditionalGeneration(Blip2PromptLayout, VisionLanguageModel):
+        def text_weights():
+            for name, tensor in weights:
+                if name.startswith("language_model."):
+                    yield name[len("language_model."):], tensor
+                elif name.startswith(VISION_SIDE_PREFIXES):  # replicated on every rank: read whole
+                    filled = self.vision_side.load_weight(name, as_tensor(tensor))
+                    if filled:
+                        loaded.add(f"vision_side.{filled}")
+                else:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
+        return loaded
+
+
+class Blip2ForConditionalGeneration(Blip2Common, VisionLanguageModel):
     def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
@@ -229,20 +248,3 @@ class Blip2ForConditionalGeneration(Blip2PromptLayout, VisionLanguageModel):
         feats = self.vision_side(to_device_pixels(items, self._param.device, self._param.dtype))
         return list(feats.unbind(0))
 
-    # -- weights ---------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("language_model."):
-                    yield name[len("language_model."):], tensor
-                elif name.startswith(VISION_SIDE_PREFIXES):  # replicated on every rank: read whole
-                    filled = self.vision_side.load_weight(name, as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_side.{filled}")
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded

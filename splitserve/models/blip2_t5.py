@@ -15,18 +15,16 @@ the BLIP-2 vision side in front of T5 on the engine's encoder-decoder path.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from splitserve.layers.quantization.base import as_tensor
-from splitserve.models.blip2 import VISION_SIDE_PREFIXES, Blip2PromptLayout, Blip2VisionSide
+from splitserve.models.blip2 import Blip2Common, Blip2VisionSide
 from splitserve.models.t5 import T5ForConditionalGeneration
 from splitserve.multimodal.processor import to_device_pixels
 
 
-class Blip2T5ForConditionalGeneration(Blip2PromptLayout, nn.Module):
+class Blip2T5ForConditionalGeneration(Blip2Common, nn.Module):
     is_encoder_decoder = True
     is_multimodal = True
     # The front's prompt (placeholder runs + text ids) is the encoder's input, not the decoder's.
@@ -74,20 +72,3 @@ class Blip2T5ForConditionalGeneration(Blip2PromptLayout, nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model.compute_logits(hidden, out)
 
-    # -- weights ---------------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("language_model."):
-                    yield name[len("language_model."):], as_tensor(tensor)
-                elif name.startswith(VISION_SIDE_PREFIXES):
-                    filled = self.vision_side.load_weight(name, as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_side.{filled}")
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.layers.quantization.base import as_tensor
 from splitserve.attention.cross import CrossAttention
 from splitserve.attention.layer import Attention
 
@@ -237,6 +238,7 @@ class T5ForConditionalGeneration(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
+            tensor = as_tensor(tensor)  # a lazy slice of a file is read now (T5 is not sharded)
             if name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
                 continue  # tied to `shared`
             if name == "lm_head.weight" and self.lm_head is None:
