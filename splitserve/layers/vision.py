@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear, MergedLinear
+from splitserve.layers.quantization.base import copy_checkpoint_tensor
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -159,9 +160,7 @@ class VisionTower(nn.Module):
         if param is None:
             raise ValueError(f"vision tower tensor {name!r} matches no parameter (the vision tower is not "
                              f"quantized)")
-        if param.shape != tensor.shape:
-            raise ValueError(f"vision tower {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        copy_checkpoint_tensor(param, tensor, f"vision tower {name}")
         return name
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionEncoderLayer, activation, layer_norm
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
@@ -187,9 +187,7 @@ class Blip2VisionSide(nn.Module):
             return f"{layer_bias.group(1)}.qkv.bias"
         if name not in params:
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the BLIP-2 vision side")
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-        params[name].data.copy_(tensor)
+        copy_checkpoint_tensor(params[name], tensor, name)
         return name
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from splitserve.distributed.parallel_state import pp_group, tp_group
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.rotary import apply_rotary_qk
 from splitserve.models.decoder import DecoderLayer
 from splitserve.models.llava import VisionLanguageModel, build_language_model
@@ -275,10 +275,7 @@ class CogVLMForCausalLM(VisionLanguageModel):
         H = self.config.hidden_size
 
         def copy(param: torch.Tensor, tensor: torch.Tensor, name: str, target: str) -> None:
-            tensor = as_tensor(tensor)
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            copy_checkpoint_tensor(param, tensor, name)
             loaded.add(target)
 
         def text_weights():

@@ -17,7 +17,6 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from torch import nn
 
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
 from splitserve.models.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
 from splitserve.models.llava import VisionLanguageModel, build_language_model
@@ -134,6 +134,4 @@ class Kosmos2ForConditionalGeneration(VisionLanguageModel):
 
 
 def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
-    if params[name].shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-    params[name].data.copy_(tensor)
+    copy_checkpoint_tensor(params[name], tensor, name)

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
 from splitserve.models.decoder import DecoderForCausalLM
 from splitserve.multimodal.processor import to_device_pixels
@@ -119,10 +119,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
                     if filled:
                         loaded.add(f"vision_tower.{filled}")
                 elif name in params:
-                    tensor = as_tensor(tensor)
-                    if params[name].shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-                    params[name].data.copy_(tensor)
+                    copy_checkpoint_tensor(params[name], tensor, name)
                     loaded.add(name)
                 else:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.multimodal.media import MediaError
@@ -266,10 +266,7 @@ class Phi3VForCausalLM(VisionLanguageModel):
                     if filled:
                         loaded.add(f"vision_tower.{filled}")
                 elif rest in own:
-                    tensor = as_tensor(tensor)
-                    if own[rest].shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(own[rest].shape)}")
-                    own[rest].data.copy_(tensor)
+                    copy_checkpoint_tensor(own[rest], tensor, name)
                     loaded.add(rest)
                 else:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")

@@ -79,6 +79,15 @@ def as_tensor(tensor) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
 
 
+def copy_checkpoint_tensor(param: torch.Tensor, tensor, what: str) -> None:
+    """param <- a whole (unsharded) checkpoint tensor, read now if lazy; a shape that differs is an
+    error naming `what`."""
+    tensor = as_tensor(tensor)
+    if param.shape != tensor.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
 def _cut(tensor, dim: int, start: int, length: int, what: str):
     """tensor[start:start + length] along dim, zero-padded where it runs past the end (the last
     rank's part of a vocabulary padded to a multiple of the ranks); lazy slices stay lazy."""
