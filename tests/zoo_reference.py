@@ -223,3 +223,27 @@ def assert_matches_reference(out, want: tuple[list[int], list[int], list[float]]
     got = out.outputs[0]
     assert got.token_ids == want_tokens, label
     assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(want_logprobs, abs=5e-4)
+
+
+def check_prefix_and_encoder_cache_hits(path, text: str, other_text: str, budget: int, params,
+                                        reference_tokens) -> None:
+    """A model whose prompt opens with its image: the same image + text again hits the prefix cache
+    up to the last whole block; another image shares no block; other text after the first image is
+    served from the encoder cache and still equals the reference's tokens (reference_tokens(text,
+    images) -> greedy tokens)."""
+    from splitserve import LLM
+    from tests.multimodal_reference import random_image
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=budget)
+    mm = llm.engine.runner.mm
+    img, other = random_image(41, (70, 50)), random_image(42, (70, 50))
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)[0]
+    n = len(first.prompt_token_ids)
+    again = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (n - 1) // 8 * 8 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    third = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, params, use_tqdm=False)[0]
+    assert third.num_cached_tokens == 0  # the image (after at most BOS and a marker) fills the first block
+    encoded = mm.num_images_encoded
+    fourth = llm.generate({"prompt": other_text, "multi_modal_data": {"image": img}}, params, use_tqdm=False)[0]
+    assert mm.num_images_encoded == encoded  # served from the encoder cache
+    assert fourth.outputs[0].token_ids == reference_tokens(other_text, [img])
+    assert llm.engine.kv_manager.pool.is_whole() and mm.cache.is_whole()

@@ -12,7 +12,8 @@ import transformers
 
 from splitserve import LLM, SamplingParams
 from tests.multimodal_reference import IMAGE, mm_tokenizer, random_image
-from tests.zoo_reference import assert_matches_reference, NUM_QUERY, blip2_processor, hf_greedy, make_tiny_blip2_dir, run_abort_storm
+from tests.zoo_reference import (assert_matches_reference, check_prefix_and_encoder_cache_hits, NUM_QUERY,
+                                 blip2_processor, hf_greedy, make_tiny_blip2_dir, run_abort_storm)
 
 NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
@@ -76,25 +77,10 @@ def test_greedy_parity_mixed_batch(setup):
 
 
 def test_prefix_and_encoder_cache_hits(setup):
-    path, tok, _, _ = setup
-    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=256)
-    mm = llm.engine.runner.mm
-    img, other = random_image(41, (70, 50)), random_image(42, (70, 50))
-    text = "Question: describe the picture in some detail, please? Answer:"
-    first = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
-    n = len(first.prompt_token_ids)
-    again = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
-    assert again.num_cached_tokens == (n - 1) // 8 * 8 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    # the image opens the prompt: another picture shares no block
-    third = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
-    assert third.num_cached_tokens == 0
-    encoded = mm.num_images_encoded
-    # other text after the same picture: the query tokens come from the encoder cache
-    fourth = llm.generate({"prompt": "Another question? Answer:", "multi_modal_data": {"image": img}}, PARAMS,
-                          use_tqdm=False)[0]
-    assert mm.num_images_encoded == encoded
-    assert fourth.outputs[0].token_ids == reference(setup, "Another question? Answer:", [img])[1]
-    assert llm.engine.kv_manager.pool.is_whole() and mm.cache.is_whole()
+    check_prefix_and_encoder_cache_hits(
+        setup[0], 'Question: describe the picture in some detail, please? Answer:', 'Another question? Answer:',
+        256, PARAMS,
+        lambda text, imgs: reference(setup, text, imgs)[1])
 
 
 def test_abort_storm_leaves_pool_and_encoder_cache_whole(setup):

@@ -9,7 +9,8 @@ import transformers
 
 from splitserve import LLM, SamplingParams
 from tests.multimodal_reference import random_image
-from tests.zoo_reference import (assert_matches_reference, fuyu_reference_inputs, fuyu_tokenizer, hf_greedy, make_tiny_fuyu_dir,
+from tests.zoo_reference import (assert_matches_reference, check_prefix_and_encoder_cache_hits,
+                                 fuyu_reference_inputs, fuyu_tokenizer, hf_greedy, make_tiny_fuyu_dir,
                                  run_abort_storm)
 
 NEW_TOKENS = 8
@@ -68,23 +69,9 @@ def test_greedy_parity_mixed_batch(setup):
 
 
 def test_prefix_and_encoder_cache_hits(setup):
-    path = setup[0]
-    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=256)
-    mm = llm.engine.runner.mm
-    img, other = random_image(41, (70, 50)), random_image(42, (70, 50))
-    text = "Describe the picture in some detail, please."
-    first = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
-    n = len(first.prompt_token_ids)
-    again = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
-    assert again.num_cached_tokens == (n - 1) // 8 * 8 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    third = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
-    assert third.num_cached_tokens == 0  # the image opens the prompt
-    encoded = mm.num_images_encoded
-    fourth = llm.generate({"prompt": "Another question?", "multi_modal_data": {"image": img}}, PARAMS,
-                          use_tqdm=False)[0]
-    assert mm.num_images_encoded == encoded  # served from the encoder cache
-    assert fourth.outputs[0].token_ids == reference(setup, "Another question?", [img])[1]
-    assert llm.engine.kv_manager.pool.is_whole() and mm.cache.is_whole()
+    check_prefix_and_encoder_cache_hits(
+        setup[0], 'Describe the picture in some detail, please.', 'Another question?', 256, PARAMS,
+        lambda text, imgs: reference(setup, text, imgs)[1])
 
 
 def test_abort_storm_leaves_pool_and_encoder_cache_whole(setup):

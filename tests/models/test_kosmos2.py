@@ -10,7 +10,8 @@ import transformers
 from splitserve import LLM, SamplingParams
 from splitserve.sampling_params import StructuredOutputsParams
 from tests.multimodal_reference import random_image
-from tests.zoo_reference import assert_matches_reference, KOSMOS_QUERIES, hf_greedy, make_tiny_kosmos2_dir, run_abort_storm
+from tests.zoo_reference import (assert_matches_reference, check_prefix_and_encoder_cache_hits,
+                                 KOSMOS_QUERIES, hf_greedy, make_tiny_kosmos2_dir, run_abort_storm)
 
 NEW_TOKENS = 8
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
@@ -75,23 +76,9 @@ def test_greedy_parity_mixed_batch(setup):
 
 
 def test_prefix_and_encoder_cache_hits(setup):
-    path = setup[0]
-    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=512)
-    mm = llm.engine.runner.mm
-    img, other = random_image(41, (70, 50)), random_image(42, (70, 50))
-    text = "<grounding> Describe the picture in some detail:"
-    first = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
-    n = len(first.prompt_token_ids)
-    again = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, PARAMS, use_tqdm=False)[0]
-    assert again.num_cached_tokens == (n - 1) // 8 * 8 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    third = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
-    assert third.num_cached_tokens == 0  # BOS and <image> share the first block with the picture
-    encoded = mm.num_images_encoded
-    fourth = llm.generate({"prompt": "Another question:", "multi_modal_data": {"image": img}}, PARAMS,
-                          use_tqdm=False)[0]
-    assert mm.num_images_encoded == encoded  # served from the encoder cache
-    assert fourth.outputs[0].token_ids == reference(setup, "Another question:", [img])[1]
-    assert llm.engine.kv_manager.pool.is_whole() and mm.cache.is_whole()
+    check_prefix_and_encoder_cache_hits(
+        setup[0], '<grounding> Describe the picture in some detail:', 'Another question:', 512, PARAMS,
+        lambda text, imgs: reference(setup, text, imgs)[1])
 
 
 def test_abort_storm_leaves_pool_and_encoder_cache_whole(setup):
