@@ -93,8 +93,9 @@ class EngineFront:
         # BLIP-2 T5: the prompt's images sit in the encoder's input (models/blip2_t5.py)
         self.encoder_prompt_has_images = bool(getattr(getattr(mm_processor, "model", None),
                                                       "encoder_prompt_has_images", False))
-        self.output_processor = OutputProcessor(
-            tokenizer, stream_interval, getattr(getattr(mm_processor, "model", None), "postprocess_text", None))
+        model = getattr(mm_processor, "model", None)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval, getattr(model, "postprocess_text", None),
+                                                getattr(model, "postprocess_markdown", None))
         self._ids = itertools.count()
         from splitserve.lora.registry import LoRARegistry
         # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.

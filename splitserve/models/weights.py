@@ -46,6 +46,8 @@ def _stage_name(model, name: str) -> str | None:
         return None
     if name.startswith("embed_positions.") and model.embed_positions is None:
         return None
+    if name.startswith("embed_norm.") and model.embed_norm is None:
+        return None
     if name.startswith("norm.") and model.norm is None:
         return None
     if name.startswith("lm_head.") and (model.lm_head is None or model.head_from_embedding):

@@ -403,7 +403,7 @@ class OpenAIServing:
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                                 prompt_logprobs=prompt_logprobs_out(self.token_text,
                                                                                     final.prompt_logprobs),
-                                                grounding=o.grounding))
+                                                grounding=o.grounding, markdown=o.markdown))
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals))
         return json_response(body)
 
@@ -506,7 +506,8 @@ class OpenAIServing:
             lp = chat_logprobs(self.token_text, o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
             message, finish = tools_io.message_out(plan, self.tool_parser, o.text, o.finish_reason)
             choices.append(ChatChoice(index=o.index, message=message, logprobs=lp,
-                                      finish_reason=finish, stop_reason=o.stop_reason, grounding=o.grounding))
+                                      finish_reason=finish, stop_reason=o.stop_reason, grounding=o.grounding,
+                                      markdown=o.markdown))
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage([final]),
                                       prompt_logprobs=prompt_logprobs_out(self.token_text, final.prompt_logprobs))
