@@ -31,7 +31,7 @@ def make_tiny_nougat(path):
     encoder = DonutSwinConfig(image_size=[PAGE["height"], PAGE["width"]], patch_size=4, embed_dim=16,
                               depths=[2, 2, 2], num_heads=[2, 4, 4], window_size=3)
     decoder = MBartConfig(is_decoder=True, is_encoder_decoder=False, add_cross_attention=True, decoder_layers=2,
-                          decoder_attention_heads=4, decoder_ffn_dim=96, d_model=64, max_position_embeddings=64,
+                          decoder_attention_heads=4, decoder_ffn_dim=96, d_model=64, max_position_embeddings=2048,
                           vocab_size=len(tok), scale_embedding=True, tie_word_embeddings=False,
                           eos_token_id=tok.eos_token_id, activation_function="gelu")
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)

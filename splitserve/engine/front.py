@@ -220,6 +220,7 @@ class EngineFront:
         eos = self.config.model.eos_token_ids
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
                              eos, arrival, self.tokenizer, stream)
+        state.num_encoder_tokens = num_encoder_tokens
         self.output_processor.add_request(state)
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
                                               lora_request, priority, list(encoder_ids), num_encoder_tokens)

@@ -87,6 +87,9 @@ class RequestOutput:
     # prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token its
     # {token_id: Logprob} (the prompt token itself and the top k); set from the first output token on.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An encoder-decoder request's encoder positions (prompt_token_ids are then the decoder's start
+    # token): the API counts both as the prompt, as vLLM counts Whisper's encoder prompt.
+    num_encoder_tokens: int = 0
 
 
 class _ChildState:
@@ -131,6 +134,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.queue_time: float | None = None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.num_encoder_tokens = 0  # set by the front for encoder-decoder requests
 
     @property
     def finished(self) -> bool:
@@ -212,7 +216,7 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, queue_time=self.queue_time,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs, num_encoder_tokens=self.num_encoder_tokens)
 
 
 class OutputProcessor:

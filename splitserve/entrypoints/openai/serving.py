@@ -346,8 +346,15 @@ class OpenAIServing:
         return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
     @staticmethod
-    def _usage(finals: list[RequestOutput]) -> UsageInfo:
-        prompt = sum(len(f.prompt_token_ids) for f in finals)
+    def _prompt_tokens(out: RequestOutput) -> int:
+        """The prompt's tokens as usage counts them: with an encoder-decoder model, the encoder's
+        input positions (text tokens, image patches or encoder positions) and the decoder's prompt
+        (its start token), as vLLM counts a Whisper request's encoder prompt."""
+        return len(out.prompt_token_ids) + out.num_encoder_tokens
+
+    @classmethod
+    def _usage(cls, finals: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(cls._prompt_tokens(f) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -448,6 +455,7 @@ class OpenAIServing:
                 for c in echo_chunks(i, None):
                     yield c
         async for i, out in self._merge(streams):
+            prompt_lens[i] = self._prompt_tokens(out)  # (an encoder-decoder request's encoder input too)
             if i in pending_echo:
                 for c in echo_chunks(i, out):
                     yield c
@@ -538,6 +546,7 @@ class OpenAIServing:
         tool_streams = {j: tools_io.ToolDeltas(plan, self.tool_parser) for j in range(params.n)} \
             if tools_io.reads_calls(plan, self.tool_parser) else {}
         async for _, out in self._merge([stream]):
+            prompt_len = self._prompt_tokens(out)  # (an encoder-decoder request's encoder input too)
             if out.finished:
                 final = out
             for o in out.outputs:
