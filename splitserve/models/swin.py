@@ -126,15 +126,19 @@ class SwinLayer(nn.Module):
         if shift:
             y = torch.roll(y, (-shift, -shift), dims=(1, 2))
         win = y.view(N, hp // ws, ws, wp // ws, ws, C).transpose(2, 3).reshape(-1, ws * ws, C)
-        nW, T, D = (hp // ws) * (wp // ws), ws * ws, C // self.heads
-        q, k, v = (p(win).view(-1, T, self.heads, D).transpose(1, 2) for p in (attn.query, attn.key, attn.value))
+        nW, T, D, H = (hp // ws) * (wp // ws), ws * ws, C // self.heads, self.heads
+        # (window, head) pairs as the attention's heads: one mask of [windows * heads, T, T] serves
+        # every image of the batch (broadcast), never one copy per image.
+        q, k, v = (p(win).view(N, nW, T, H, D).permute(0, 1, 3, 2, 4).reshape(N, nW * H, T, D)
+                   for p in (attn.query, attn.key, attn.value))
         bias = attn.relative_position_bias_table[attn.index].permute(2, 0, 1)  # [heads, T, T]
         mask = bias[None].expand(nW, -1, -1, -1)
         if shift:
             mask = mask + self._shift_mask(hp, wp, ws, shift, x.device)[:, None].to(mask.dtype)
-        mask = mask[None].expand(N, -1, -1, -1, -1).reshape(N * nW, self.heads, T, T).to(q.dtype)
+        mask = mask.reshape(1, nW * H, T, T).to(q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scale 1/sqrt(D), as transformers
-        out = self.attention.output.dense(out.transpose(1, 2).reshape(-1, T, C))
+        out = out.view(N, nW, H, T, D).permute(0, 1, 3, 2, 4).reshape(N * nW, T, C)
+        out = self.attention.output.dense(out)
         out = out.view(N, hp // ws, wp // ws, ws, ws, C).transpose(2, 3).reshape(N, hp, wp, C)
         if shift:
             out = torch.roll(out, (shift, shift), dims=(1, 2))

@@ -111,3 +111,31 @@ def test_unsupported_encoder_decoder_pairs_are_refused():
     with pytest.raises(ValueError, match="encoder 'vit'"):
         with torch.device("meta"):
             cls(config)
+
+
+@pytest.mark.parametrize("model_type", ["donut-swin", "swin"])
+def test_swin_encoder_matches_transformers_on_odd_grids(model_type, tmp_path):
+    """The encoder alone on a map that needs padding (15 x 11 patches: windows of 3 padded, odd
+    merges padded) and a last stage no larger than a window; SwinModel's final LayerNorm too."""
+    import transformers
+
+    from splitserve.models.swin import SwinEncoder
+    kw = dict(image_size=[60, 44], patch_size=4, embed_dim=16, depths=[2, 2, 2], num_heads=[2, 4, 4], window_size=3)
+    config = (transformers.DonutSwinConfig if model_type == "donut-swin" else transformers.SwinConfig)(**kw)
+    torch.manual_seed(1)
+    ref = transformers.AutoModel.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.add_(torch.randn_like(p) * (0.5 if "relative_position" in name else 0.1))
+    ref.save_pretrained(tmp_path)  # the checkpoint's names (transformers 5 renames Swin's in memory)
+    from splitserve.models.safetensors_io import iter_safetensors
+    ours = SwinEncoder(config).eval()
+    params = dict(ours.named_parameters())
+    filled = {ours.load_weight(n, torch.as_tensor(t), params) for n, t in iter_safetensors(str(tmp_path))} - {None}
+    assert filled == set(params)
+    pixels = torch.randn(2, 3, 60, 44)
+    with torch.no_grad():
+        want = ref(pixel_values=pixels).last_hidden_state
+        got = ours(pixels)
+    assert got.shape == want.shape == (2, 12, 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
