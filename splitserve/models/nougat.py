@@ -113,7 +113,7 @@ class NougatForConditionalGeneration(nn.Module):
         """Encoder outputs of a step's requests, flat in order: each input's one image is its page
         pixels [1, 3, H, W]. Pages of one size (the processor pads to the configured size) run as
         one batch."""
-        w = self.decoder.embed_tokens.weight
+        w = self.encoder.embeddings.patch_embeddings.projection.weight
         pixels = [items[0].pixel_values.to(w.device, w.dtype) for _, _, items in inputs]
         by_shape: dict[tuple, list[int]] = {}
         for i, p in enumerate(pixels):
