@@ -277,6 +277,8 @@ class ModelRunner:
         self.input_batch.update(sched)
         if self.encdec is not None:
             self.encdec.update(sched)
+        if self.mm is not None:
+            self.mm.prefetch(sched)
 
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:
         """Applies the message to the persistent batch, lays the step out in staging buffers and copies
@@ -414,6 +416,8 @@ class ModelRunner:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)
+        if self.mm is not None:  # images of waiting requests, encoded beside this step's forward
+            self.mm.prefetch(sched)
         if batch.prompt_logprobs_out is not None:
             step.prompt_logprobs = (batch.prompt_logprobs,
                                     tuple(x.to("cpu", non_blocking=True) for x in batch.prompt_logprobs_out))
