@@ -139,3 +139,23 @@ def test_swin_encoder_matches_transformers_on_odd_grids(model_type, tmp_path):
         got = ours(pixels)
     assert got.shape == want.shape == (2, 12, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_graph_path_matches_transformers(nougat_dir):
+    """The decode-graph path (worker/cuda_graphs.py) with the cross-attention op inside, run without
+    graphs on CPU: static self- and cross-attention buffers, steps padded up to the graph sizes."""
+    from splitserve.worker.cuda_graphs import DecodeGraphs
+    path, hf, processor = nougat_dir
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=128, max_num_seqs=3,
+              attention_backend="torch_ref")
+    runner = llm.engine.runner
+    m = runner.config.model
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, [2, 4], runner.max_blocks_per_seq, m.max_model_len,
+                                 runner.kv_layout()[1], runner.device, use_graphs=False,
+                                 cross_blocks=runner.encdec.cross_table.shape[1], block_size=runner.block_size)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt": "", "multi_modal_data": {"image": p}} for p in PAGES], params, use_tqdm=False)
+    for page, out in zip(PAGES, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, processor, page)[0]
+    assert runner.steps_by_path["decode_graph"] > 0
+    assert llm.engine.kv_manager.pool.is_whole()
