@@ -260,7 +260,7 @@ class ReferenceNeva:
         emb = self.decoder.get_input_embeddings()
         tokens, logprobs = [], []
         for _ in range(n):
-            logits = self.decoder(inputs_embeds=x[None]).logits[0, -1].float()
+            logits = self.decoder(inputs_embeds=x[None], logits_to_keep=1).logits[0, -1].float()
             t = int(logits.argmax())
             tokens.append(t)
             logprobs.append(torch.log_softmax(logits, -1)[t].item())

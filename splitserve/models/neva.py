@@ -51,7 +51,7 @@ def _nvgpt_template(after_assistant: str = "") -> str:
     return (
         "{%- if messages and messages[0]['role'] == 'system' -%}"
         "{%- set sys = messages[0]['content'] + '\\n\\n' -%}{%- else -%}"
-        "{%- set sys = '" + _NVGPT_SYSTEM + "\\n\\n' -%}{%- endif -%}"
+        "{%- set sys = \"" + _NVGPT_SYSTEM + "\\n\\n\" -%}{%- endif -%}"
         "{{ '<extra_id_0>System\\n' + sys }}"
         "{%- for m in messages if m['role'] != 'system' -%}"
         "{%- if m['role'] == 'user' -%}{{ '<extra_id_1>User\\n' + m['content'] + '\\n' }}"
