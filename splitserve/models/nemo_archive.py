@@ -9,7 +9,7 @@ each projection's split dimension. Newer NeMo writes a `model_weights/` director
 
 The cache directory (`$SPLITSERVE_CACHE_DIR` or ~/.cache/splitserve, `nemo/<key>`, keyed by the
 file's path, size and mtime) holds:
-    config.json              {"model_type": "neva", "architectures": [...], "vocab_size", "weights": [...]}
+    config.json              {"architectures": ["NevaForCausalLM"], "vocab_size", "weights": [...], ...}
     archive/                 the archive's members
     tokenizer files          an HF tokenizer made from the archive's (HF files as they are; a
                              sentencepiece model through transformers), with the conversation template
@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-NEMO_FORMAT_VERSION = 1  # bump when the unpacked layout changes: old cache entries are rebuilt
+NEMO_FORMAT_VERSION = 2  # bump when the unpacked layout changes: old cache entries are rebuilt
 _WEIGHTS_FILE = "model_weights.ckpt"
 
 
@@ -147,7 +147,8 @@ def unpack(path: str) -> str:
         vocab = _vocab_size(files)
         from splitserve.models.neva import write_model_files  # the model decides what it needs
         info = write_model_files(tmp, archive, nemo_cfg, os.path.dirname(path))
-        config = {"model_type": "neva", "architectures": ["NevaForCausalLM"], "vocab_size": vocab,
+        # no model_type: transformers reads this file too (AutoTokenizer) and knows no "neva"
+        config = {"architectures": ["NevaForCausalLM"], "vocab_size": vocab,
                   "nemo_file": path, "weights": [os.path.relpath(f, tmp) for f in files], **info}
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=1)

@@ -127,9 +127,10 @@ def _write_tokenizer(out: str, archive: str, tok_cfg: dict) -> str | None:
         import shutil
         shutil.copy(model, os.path.join(out, "tokenizer.model"))
         with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-            # NeMo's sentencepiece tokenizer adds neither BOS nor EOS to a prompt
+            # NeMo's sentencepiece tokenizer adds neither BOS nor EOS to a prompt, and a leading
+            # space only where the model's normalizer adds its dummy prefix
             json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-                       "legacy": False}, f)
+                       "legacy": False, "add_prefix_space": _spm_adds_dummy_prefix(model)}, f)
         try:
             from transformers import AutoTokenizer
             AutoTokenizer.from_pretrained(out).save_pretrained(out)
@@ -139,6 +140,17 @@ def _write_tokenizer(out: str, archive: str, tok_cfg: dict) -> str | None:
             return None
         return "sentencepiece"
     return None
+
+
+def _spm_adds_dummy_prefix(path: str) -> bool:
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+        proto = sentencepiece_model_pb2.ModelProto()
+        with open(path, "rb") as f:
+            proto.ParseFromString(f.read())
+        return bool(proto.normalizer_spec.add_dummy_prefix)
+    except Exception:  # sentencepiece / protobuf missing: the conversion below says so
+        return True
 
 
 def _add_chat_template(out: str, conv: str | None) -> None:

@@ -29,7 +29,7 @@ _MODELS = {
 _CONFIG_READERS = {
     "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
-    "neva": ("splitserve.models.neva", "load_neva_config"),
+    "NevaForCausalLM": ("splitserve.models.neva", "load_neva_config"),
 }
 
 

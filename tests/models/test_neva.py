@@ -282,3 +282,39 @@ def test_video_for_a_model_without_video():
     mp.model, mp.video_marker_id, mp.num_frames = torch.nn.Module(), None, None
     with pytest.raises(MediaError, match="does not accept videos"):
         mp.load_media(VideoRef(b"x"), MediaPolicy.offline())
+
+
+def test_sentencepiece_tokenizer_in_the_archive(tmp_path, monkeypatch):
+    """An archive whose tokenizer is a sentencepiece model (`nemo:<file>.model`): the HF tokenizer
+    made from it encodes as sentencepiece itself does (NeMo's text_to_ids), specials included. (A
+    model with sentencepiece's dummy prefix differs at the start of a text: see DESIGN.md.)"""
+    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    from splitserve.models.nemo_archive import unpack
+    from splitserve.models.resolve import load_tokenizer
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    text = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(100)] + \
+        ["A chat between a curious user and an assistant.\nSystem User Assistant"] * 5
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=400, model_type="bpe", user_defined_symbols=EXTRA_IDS,
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, normalization_rule_name="identity",
+        add_dummy_prefix=False, remove_extra_whitespaces=False)
+    cfg = model_config("absent-tower")
+    cfg["tokenizer"] = {"library": "sentencepiece", "model": "nemo:0a1b2c_tokenizer.model", "type": None}
+    weights = io.BytesIO()
+    torch.save({"model.language_model.embedding.word_embeddings.weight": torch.zeros(512, 4)}, weights)
+    path = tmp_path / "spm.nemo"
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("./model_config.yaml", __import__("yaml").safe_dump(cfg).encode()),
+                           ("./model_weights.ckpt", weights.getvalue()), ("./0a1b2c_tokenizer.model", model.getvalue())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    tok = load_tokenizer(unpack(str(path)))
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    for s in ["<extra_id_0>System\nhello fox<extra_id_3>", "A chat between\n\n<extra_id_1>User\nthe dog 12 ü",
+              " leading  spaces  x\n", "<extra_id_1>Assistant\n", "\nWhat is this?"]:
+        assert tok.encode(s, add_special_tokens=False) == sp.encode(s), s
+    assert tok.encode("the dog") == sp.encode("the dog")  # no BOS, as NeMo's prompts
+    assert tok.chat_template is not None
