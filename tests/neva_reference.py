@@ -75,8 +75,22 @@ def clip_image_processor():
     return cls(size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE})
 
 
-def write_clip_dir(path: str, clip) -> str:
-    clip.save_pretrained(path)
+def write_clip_dir(path: str, clip, whole_clip: bool = False) -> str:
+    """The tower's HF directory; whole_clip: as a CLIPModel with a (random) text side too, the way
+    openai/clip-vit-large-patch14-336 is published."""
+    if whole_clip:
+        text = transformers.CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, vocab_size=99, projection_dim=8,
+                                           bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        config = transformers.CLIPConfig(text_config=text.to_dict(), vision_config=clip.config.to_dict(),
+                                         projection_dim=8)
+        whole = transformers.CLIPModel(config).eval()
+        own = {k if k.startswith("vision_model.") else "vision_model." + k: v for k, v in clip.state_dict().items()}
+        result = whole.load_state_dict(own, strict=False)
+        assert not result.unexpected_keys and not any(k.startswith("vision_model.") for k in result.missing_keys)
+        whole.save_pretrained(path)
+    else:
+        clip.save_pretrained(path)
     clip_image_processor().save_pretrained(path)
     return path
 

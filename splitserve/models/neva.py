@@ -25,7 +25,6 @@ import re
 from typing import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
@@ -275,7 +274,6 @@ def load_neva_config(directory: str):
 def iter_neva_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The .nemo's tensors (tensor-parallel shards merged), then the vision tower's own files where
     the checkpoint has no tower weights (NeVA freezes and usually omits it)."""
-    from splitserve.models.safetensors_io import iter_safetensors
     with open(os.path.join(directory, "config.json")) as f:
         info = json.load(f)
     has_tower = False
@@ -289,15 +287,20 @@ def iter_neva_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str,
 
 
 def _tower_files(tower: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision half of an HF CLIP directory: a CLIPVisionModel's, or a whole CLIPModel's
+    (openai/clip-vit-large-patch14-336, which NeVA names) without its text side."""
     from splitserve.models.safetensors_io import iter_safetensors
     if any(f.endswith(".safetensors") for f in os.listdir(tower)):
-        yield from iter_safetensors(tower)
-        return
-    path = os.path.join(tower, "pytorch_model.bin")
-    if not os.path.isfile(path):
-        raise ValueError(f"the vision tower directory {tower} has no weights (*.safetensors or pytorch_model.bin) "
-                         f"and the .nemo checkpoint holds none")
-    yield from torch.load(path, map_location="cpu", mmap=True, weights_only=True).items()
+        weights = iter_safetensors(tower)
+    else:
+        path = os.path.join(tower, "pytorch_model.bin")
+        if not os.path.isfile(path):
+            raise ValueError(f"the vision tower directory {tower} has no weights (*.safetensors or "
+                             f"pytorch_model.bin) and the .nemo checkpoint holds none")
+        weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True).items()
+    for name, tensor in weights:
+        if name.startswith("vision_model."):
+            yield name, tensor
 
 
 _LAYER = re.compile(r"^(?:language_model\.encoder|decoder)\.layers\.(\d+)\.(.+)$")

@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
     os.environ["SPLITSERVE_CACHE_DIR"] = str(root / "cache")  # where the .nemo archives are unpacked
     vocab = (len(tok) + 127) // 128 * 128  # NeMo pads the vocabulary (make_vocab_size_divisible_by)
     dec, clip, proj = make_decoder(vocab, 1), make_clip(2), make_projector(3)
-    write_clip_dir(str(root / "clip-tiny"), clip)  # found relative to the .nemo file
+    write_clip_dir(str(root / "clip-tiny"), clip, whole_clip=True)  # found relative to the .nemo file
     nemo = write_nemo(str(root / "neva.nemo"), model_config("clip-tiny", num_frames=FRAMES),
                       nemo_state_dict(dec, proj), tok)
     video = write_video(str(root / "clip.mp4"), COLORS)
