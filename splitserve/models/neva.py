@@ -299,7 +299,7 @@ def _tower_files(tower: str) -> Iterator[tuple[str, torch.Tensor]]:
                              f"pytorch_model.bin) and the .nemo checkpoint holds none")
         weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True).items()
     for name, tensor in weights:
-        if name.startswith("vision_model."):
+        if not name.startswith(("text_model.", "text_projection.", "visual_projection.", "logit_scale")):
             yield name, tensor
 
 
