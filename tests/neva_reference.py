@@ -205,6 +205,18 @@ def write_nemo(path: str, config: dict, state_dict: dict, tokenizer, tp: int = 1
     return path
 
 
+def expand_to_square(img, mean):
+    """NeMo's image_aspect_ratio 'pad': the image centred on a square of the processor's mean colour."""
+    from PIL import Image
+    w, h = img.size
+    if w == h:
+        return img
+    side = max(w, h)
+    out = Image.new(img.mode, (side, side), tuple(int(round(m * 255)) for m in mean))
+    out.paste(img, ((side - w) // 2, (side - h) // 2))
+    return out
+
+
 # -- video ------------------------------------------------------------------------------------------
 def write_video(path: str, colors: list[tuple[int, int, int]], size=(64, 48), codec="mpeg4", seed: int = 0) -> str:
     """A short clip, one frame per colour plus some noise so frames differ in texture too."""

@@ -318,3 +318,21 @@ def test_sentencepiece_tokenizer_in_the_archive(tmp_path, monkeypatch):
         assert tok.encode(s, add_special_tokens=False) == sp.encode(s), s
     assert tok.encode("the dog") == sp.encode("the dog")  # no BOS, as NeMo's prompts
     assert tok.chat_template is not None
+
+
+def test_pad_aspect_ratio_pads_to_a_square_first():
+    """image_aspect_ratio 'pad': the model's preprocessing equals NeMo's expand2square + the CLIP
+    processor (written independently in the reference)."""
+    from types import SimpleNamespace
+
+    from splitserve.models.neva import NevaForCausalLM
+    from tests.neva_reference import clip_image_processor, expand_to_square
+    proc = clip_image_processor()
+    for size in ((90, 40), (40, 90), (56, 56)):
+        img = random_image(sum(size), size)
+        model = SimpleNamespace(pad_to_square=True, tokens_per_image=TOKENS_PER_IMAGE)
+        pixels, _, n = NevaForCausalLM.preprocess_image(model, proc, img)
+        want = proc(images=[expand_to_square(img, proc.image_mean)], return_tensors="pt")["pixel_values"]
+        assert n == TOKENS_PER_IMAGE and torch.equal(pixels, want)
+        plain, _, _ = NevaForCausalLM.preprocess_image(SimpleNamespace(pad_to_square=False, tokens_per_image=16), proc, img)
+        assert torch.equal(plain, proc(images=[img], return_tensors="pt")["pixel_values"])
