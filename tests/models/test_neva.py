@@ -234,7 +234,7 @@ def test_token_id_prompt_marks_media_by_id(setup):
 def test_gzipped_tensor_parallel_mcore_archive_with_num_frames(setup):
     """mp_rank_00/01 shards (query groups split across ranks) of mcore-named tensors in a gzip'd
     tar, the vision tower's weights inside the checkpoint and its directory given absolute; the
-    engine's --num-frames overrides the config's."""
+    engine's --num-frames overrides the config's; media runs split across prefill chunks."""
     _, _, tok, root, (dec, clip, proj), video = setup
     tower = write_clip_dir(str(root / "clip-abs"), clip)
     sd = nemo_state_dict(dec, proj, mcore=True)
@@ -243,10 +243,17 @@ def test_gzipped_tensor_parallel_mcore_archive_with_num_frames(setup):
     os.remove(os.path.join(tower, "model.safetensors"))  # the checkpoint's tower weights must be used
     nemo = write_nemo(str(root / "neva-tp2.nemo"), model_config(tower, num_frames=8, mcore=True, tp=2), sd, tok,
                       tp=2, compress=True)
-    llm = LLM(nemo, num_blocks=128, block_size=BLOCK, max_model_len=1024, num_frames=2)
+    # a 12-token step budget cuts the video's 32-token run (and the image's 16) across prefill chunks
+    llm = LLM(nemo, num_blocks=128, block_size=BLOCK, max_model_len=1024, num_frames=2, max_num_batched_tokens=12)
     ref = ReferenceNeva(dec, clip, proj, tok)
     out = run(llm, {"prompt": "<video>\nWhat happens?", "multi_modal_data": {"video": video}})
     check(out, ref, [("video", read_video_frames(video, 2)), "\nWhat happens?"])
+    img = random_image(11, (50, 70))
+    outs = llm.generate([{"prompt": "Look: <image> and <video>.", "multi_modal_data": {"image": img, "video": video}},
+                         {"prompt": "<video>", "multi_modal_data": {"video": video}}], PARAMS, use_tqdm=False)
+    check(outs[0], ref, ["Look: ", ("image", img), " and ", ("video", read_video_frames(video, 2)), "."])
+    check(outs[1], ref, [("video", read_video_frames(video, 2))])
+    assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
 
 
 def test_archive_errors(tmp_path, monkeypatch):
