@@ -153,9 +153,17 @@ def unpack(path: str) -> str:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
         os.makedirs(os.path.dirname(final), exist_ok=True)
+        if os.path.exists(os.path.join(final, "config.json")):  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final
         if os.path.exists(final):  # a half-written entry of an older run
             shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # lost a race to another process's rename
+            if not os.path.exists(os.path.join(final, "config.json")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
