@@ -175,3 +175,21 @@ def test_offline_chat_takes_pil_images_paths_and_data_urls(setup, tmp_path):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
                  PARAMS, use_tqdm=False)
     assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
+
+
+def test_placeholder_id_without_an_image_and_a_video_are_refused(setup):
+    """A token-id prompt holding LLaVA's image token but no image would read that token's own
+    embedding where features belong: refused, as is a video for a model that takes none."""
+    llm, _, _ = setup
+    tok = llm.tokenizer
+    ph = llm.engine.mm_processor.placeholder_id
+    with pytest.raises(ValueError, match="no image or video was given"):
+        llm.generate({"prompt_token_ids": tok.encode("Look at", add_special_tokens=False) + [ph]}, PARAMS, use_tqdm=False)
+    with pytest.raises(ValueError, match="does not accept videos"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"video": b"\x00" * 16}}, PARAMS, use_tqdm=False)
+    with pytest.raises(ValueError, match="does not accept videos"):
+        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}],
+                 PARAMS, use_tqdm=False)
+    ok = llm.generate({"prompt_token_ids": tok.encode("Look at", add_special_tokens=False)}, PARAMS, use_tqdm=False)[0]
+    assert len(ok.outputs[0].token_ids) == PARAMS.max_tokens
+    assert llm.engine.kv_manager.pool.is_whole()
