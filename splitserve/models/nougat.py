@@ -80,6 +80,17 @@ def load_vision_encoder_decoder_config(directory: str):
     return config
 
 
+def load_mbart_config(directory: str):
+    """An mBART config (`MBartForCausalLM` served alone: the `mbart` decoder family) with the
+    decoder's head layout at the top level, where the engine sizes the KV cache: mBART's own
+    num_attention_heads is its encoder's."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(directory)
+    config.head_dim = config.d_model // config.decoder_attention_heads
+    config.num_key_value_heads = config.decoder_attention_heads
+    return config
+
+
 class NougatForConditionalGeneration(nn.Module):
     is_encoder_decoder = True
     is_multimodal = True  # the front builds its processor (mm_processor_class); the encoder takes images

@@ -35,6 +35,8 @@ _CONFIG_READERS = {
     # the decoder's sizes at the top level (mBART names its encoder's num_hidden_layers)
     "vision-encoder-decoder": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
     "nougat": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
+    # mBART's decoder alone: its num_attention_heads names the encoder's; the decoder's go to the top
+    "mbart": ("splitserve.models.nougat", "load_mbart_config"),
 }
 
 

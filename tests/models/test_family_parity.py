@@ -63,6 +63,7 @@ CASES = {
     # learned positions (offset 2), sqrt(d_model) embedding scale, a LayerNorm on the embeddings, tied;
     # the decoder's own layer/head counts differ from the encoder's (which num_hidden_layers names)
     "mbart": ("mbart", dict(intermediate_size=None, num_key_value_heads=None, decoder_layers=2, encoder_layers=5,
+                            num_attention_heads=None, encoder_attention_heads=8, num_hidden_layers=None,
                             decoder_attention_heads=4, decoder_ffn_dim=128, scale_embedding=True,
                             max_position_embeddings=128), (3, 60)),
     # Mixtral: top-2 of 4 experts through the fused MoE layer
