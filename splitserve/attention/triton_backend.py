@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from splitserve.attention.backend import AttentionBackend, AttentionKernelSpec, AttentionMetadata, DecodeGraphState
+from splitserve.attention.cross_ref import CrossAttentionMetadata
+from splitserve.attention.ops.cross_attention import cross_paged_attention
 from splitserve.attention.ops.paged_attention import (
     default_num_splits, paged_decode_attention, ragged_paged_attention, ragged_variant)
 from splitserve.attention.ops.store_kv import store_kv
@@ -44,19 +46,16 @@ class TritonBackend(AttentionBackend):
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
                 soft_cap: float | None = None, pos_bias: torch.Tensor | None = None) -> torch.Tensor:
-        if pos_bias is not None:
-            # KERNEL PLUG-IN POINT: the kernels add no relative position bias (T5) yet; such layers take
-            # the reference's plain functions (its batched decode path reads no host value).
-            from splitserve.attention.torch_ref import TorchRefBackend
-            return TorchRefBackend(cpu_path=False).forward(q, k, v, kv_cache, meta, scale, positions, cos_sin,
-                                                           k_scale, v_scale, sliding_window, soft_cap, pos_bias)
+        if pos_bias is not None and soft_cap is not None:
+            raise ValueError("a relative position bias together with a logit soft cap is not supported")
         rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin, k_scale, v_scale)  # one pass
         return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale,
-                           sliding_window, soft_cap)
+                           sliding_window, soft_cap, pos_bias)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-               sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, soft_cap: float | None = None,
+               pos_bias: torch.Tensor | None = None) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has
         # exactly one query token: T == B (both host-known shapes) together with max_query_len == 1.
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:
@@ -65,10 +64,18 @@ class TritonBackend(AttentionBackend):
             num_splits = meta.decode_num_splits if isinstance(meta, TritonMetadata) else None
             return paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
                                           scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
-                                          sliding_window=sliding_window, soft_cap=soft_cap)
+                                          sliding_window=sliding_window, soft_cap=soft_cap, pos_bias=pos_bias)
         return ragged_paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap)
+                                      sliding_window=sliding_window, soft_cap=soft_cap, pos_bias=pos_bias)
+
+    # -- cross-attention (encoder-decoder models) ------------------------------------------------------
+    def cross_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CrossAttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """The Triton kernels (ops/cross_attention.py): a decode step reads no host value, so the
+        decode graphs capture it at the bounds of capture_cross_metadata."""
+        return cross_paged_attention(q, kv_cache, meta.query_start_loc, meta.enc_lens, meta.block_tables,
+                                     meta.max_query_len, meta.max_enc_len, scale)
 
     # -- metadata ------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
