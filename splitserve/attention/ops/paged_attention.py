@@ -54,7 +54,6 @@ _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a row whose every logit is masked then yields
 # exp2(-inf - (-1e30)) = 0 instead of the NaN of exp2(-inf - (-inf)).
 _NEG_BIG = tl.constexpr(-1.0e30)  # constexpr: jit code may only read constexpr globals
-_LOG2E_C = tl.constexpr(_LOG2E)
 
 
 def _check_common(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -153,8 +152,11 @@ def _ragged_tile(
     if USE_BIAS:
         # The table is in the natural domain, added to the scaled logit: times log2(e) here. Every
         # distance is clamped into the table, so masked positions load a valid entry (then -inf).
+        # (A literal, not a global constexpr: Triton 3.6 leaves a callee's globals out of its
+        # caller's cache key when the caller's key is computed first, so the decode kernel's key
+        # would depend on which kernel a process compiled first, and precompiled kernels would miss.)
         dist = tl.minimum(tl.maximum(q_pos[:, None] - offs[None, :], 0), bias_max)
-        s += tl.load(bias_rows[:, None] + dist) * _LOG2E_C
+        s += tl.load(bias_rows[:, None] + dist) * 1.4426950408889634
     if MASKED:
         # Causal and bounds in one: position n is visible to a row iff n <= its own position; the
         # bound n < kv_end matters only for rows past the sequence's last query token.
