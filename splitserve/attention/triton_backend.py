@@ -9,7 +9,7 @@ import torch
 
 from splitserve.attention.backend import AttentionBackend, AttentionKernelSpec, AttentionMetadata, DecodeGraphState
 from splitserve.attention.cross_ref import CrossAttentionMetadata
-from splitserve.attention.ops.cross_attention import cross_paged_attention
+from splitserve.attention.ops.cross_attention import cross_decode_splits, cross_paged_attention, is_cross_decode
 from splitserve.attention.ops.paged_attention import (
     default_num_splits, paged_decode_attention, ragged_paged_attention, ragged_variant)
 from splitserve.attention.ops.store_kv import store_kv
@@ -107,7 +107,9 @@ class TritonBackend(AttentionBackend):
         """The KV store (one variant), then each warm-up step and decode graph whose kernel variant
         (decode with or without splits, or the ragged kernel's compile-time configuration) is new.
         Every decode launch carries its split count, computed from spec.num_sms: the precompile
-        children must never ask CUDA for the SM count."""
+        children must never ask CUDA for the SM count. With spec.pos_bias every attention launch
+        carries a bias table (its length is not specialized); with spec.cross_max_enc_len the
+        cross-attention launches follow (_cross_launches)."""
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         launches = [_store_launch(spec, device)]
         cache = torch.empty(1, 2, spec.block_size, hkv, d, dtype=spec.kv_dtype or spec.dtype, device=device)
@@ -120,6 +122,8 @@ class TritonBackend(AttentionBackend):
                 q = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=spec.dtype, device=device)
                 # The layer's window and cap as keywords (a layer without them passes none).
                 extra = {k: x for k, x in (("sliding_window", window), ("soft_cap", soft_cap)) if x is not None}
+                if spec.pos_bias:
+                    extra["pos_bias"] = torch.empty(hq, 2 * spec.block_size, dtype=torch.float32, device=device)
                 launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale, **extra))
 
         for window, soft_cap in spec.attn_variants:  # each kind of layer launches its own variants
@@ -139,7 +143,42 @@ class TritonBackend(AttentionBackend):
                 for bs in spec.decode_batch_sizes:
                     meta = self.capture_metadata(state, bs)
                     add(("decode", meta.decode_num_splits > 1), meta, window, soft_cap)
+        if spec.cross_max_enc_len:
+            launches += _cross_launches(spec, warm_up, cache, device)
         return launches
+
+
+def _cross_launches(spec: AttentionKernelSpec, warm_up: Sequence[AttentionMetadata], cache: torch.Tensor,
+                    device: torch.device) -> list[Callable[[], object]]:
+    """Cross-attention's kernel variants: the decode kernel with and/or without splits as the decode
+    graphs (one query per sequence, the cross state's bound) and the warm-up's decode steps use it,
+    and the non-causal ragged kernel for each warm-up layout with longer queries (its encoder
+    lengths at the bound)."""
+    hq, hkv, d, max_enc = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.cross_max_enc_len
+    enc_blocks = -(-max_enc // spec.block_size)
+    launches, seen = [], set()
+
+    def add(num_tokens: int, num_seqs: int, max_query_len: int, qsl: torch.Tensor) -> None:
+        if is_cross_decode(num_tokens, num_seqs, max_query_len):
+            splits = cross_decode_splits(num_seqs, hkv, max_enc, num_sms=spec.num_sms)
+            variant = ("decode", splits > 1)
+        else:
+            splits = None
+            variant = ("ragged", ragged_variant(num_tokens, num_seqs, max_query_len, max_enc, hq, hkv, d))
+        if variant in seen:
+            return
+        seen.add(variant)
+        q = torch.empty(num_tokens, hq, d, dtype=spec.dtype, device=device)
+        enc_lens = torch.empty(num_seqs, dtype=torch.int32, device=device)
+        table = torch.empty(num_seqs, enc_blocks, dtype=torch.int32, device=device)
+        launches.append(functools.partial(cross_paged_attention, q, cache, qsl, enc_lens, table, max_query_len,
+                                          max_enc, d ** -0.5, num_splits=splits))
+
+    for meta in warm_up:
+        add(meta.slot_mapping.shape[0], meta.num_seqs, meta.max_query_len, meta.query_start_loc)
+    for bs in spec.decode_batch_sizes:
+        add(bs, bs, 1, torch.empty(bs + 1, dtype=torch.int32, device=device))
+    return launches
 
 
 def _store_launch(spec: AttentionKernelSpec, device: torch.device) -> Callable[[], object]:

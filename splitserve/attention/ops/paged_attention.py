@@ -173,8 +173,9 @@ def _ragged_tile(
 
 
 # Triton specializes integer arguments on divisibility by 16; these change from step to step (batch
-# size, block-table width), so specializing them would recompile the kernel mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# size, block-table width), so specializing them would recompile the kernel mid-serving. The bias
+# table's length is the model's: unspecialized, so the precompile need not know it.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "bias_max", "stride_bias"])
 def _ragged_paged_attn_kernel(
     q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, bias_ptr,
     num_seqs, qk_scale, window, soft_cap, bias_max,
@@ -362,7 +363,7 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
 # Split-K decode kernels
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "bias_max", "stride_bias"])
 def _decode_split_kernel(
     q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, bias_ptr,
     qk_scale, window, soft_cap, bias_max,
