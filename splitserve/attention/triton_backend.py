@@ -1,4 +1,5 @@
-"""Triton attention backend: KV store + ragged paged attention (mixed batches) or split-K decode."""
+"""Triton attention backend: KV store + ragged paged attention (mixed batches) or split-K decode, with
+T5's relative position bias when a layer has one, and cross-attention on the same kernels."""
 from __future__ import annotations
 
 import functools
