@@ -55,7 +55,10 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
             return None
         with torch.device("meta"):
             model = cls(spec.config.model.hf_config)
-    return build_mm_processor(model, spec.source, tokenizer)
+    processor = build_mm_processor(model, spec.source, tokenizer)
+    if processor is not None:
+        processor.max_model_len = spec.config.model.max_model_len
+    return processor
 
 
 class EngineFront:
@@ -118,6 +121,9 @@ class EngineFront:
                    else self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
             ids = list(prompt)
+            check = getattr(self.mm_processor, "check_token_ids", None)
+            if check is not None:  # a placeholder id with no image behind it
+                check(ids)
         return ids if k is None else self.truncate(ids, k)
 
     def truncate(self, ids: list[int], k: int) -> list[int]:

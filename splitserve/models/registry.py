@@ -21,6 +21,7 @@ _MODELS = {
     "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
     "FuyuForCausalLM": ("splitserve.models.fuyu", "FuyuForCausalLM"),
     "Kosmos2ForConditionalGeneration": ("splitserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
+    "NevaForCausalLM": ("splitserve.models.neva", "NevaForCausalLM"),  # .nemo archives (nemo_archive.py)
 }
 
 # config.json model_type (or architecture) -> (module, function(directory) -> config) for
@@ -28,6 +29,7 @@ _MODELS = {
 _CONFIG_READERS = {
     "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
+    "NevaForCausalLM": ("splitserve.models.neva", "load_neva_config"),
 }
 
 

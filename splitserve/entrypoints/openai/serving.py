@@ -32,7 +32,7 @@ from splitserve.entrypoints.openai.serving_logprobs import (chat_logprobs, compl
 from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_messages_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
-from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES
+from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES, VIDEO_MARKER, VIDEO_PART_TYPES
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -174,6 +174,11 @@ class OpenAIServing:
                             raise APIError(400, f"model `{self.model_name}` does not accept images",
                                            param=f"messages[{i}].content")
                         texts.append(IMAGE_MARKER)  # expanded to the image's tokens by the mm processor
+                    elif part.type in VIDEO_PART_TYPES:
+                        if getattr(self.mm_processor, "video_marker_id", None) is None:
+                            raise APIError(400, f"model `{self.model_name}` does not accept videos",
+                                           param=f"messages[{i}].content")
+                        texts.append(VIDEO_MARKER)
                     else:
                         raise APIError(400, f"unsupported content part type {part.type!r}",
                                        param=f"messages[{i}].content")
