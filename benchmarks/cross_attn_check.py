@@ -198,7 +198,8 @@ def bench(iters: int) -> None:
             pad_g = time_ms(graphed(lambda: cross_attention_padded(q, cache, meta, 1.0)), iters)
             kv_bytes = 2 * B * enc_len * hkv * d * 2
             rows.append((f"cross {name} 256x1 enc {enc_len}",
-                         f"triton {tri * 1e3:.0f} us ({kv_bytes / tri / 1e9:.2f} TB/s) | padded torch {pad * 1e3:.0f} us"
+                         f"triton {tri * 1e3:.0f} us ({kv_bytes / tri / 1e9:.2f} TB/s)"
+                         f" | padded torch {pad * 1e3:.0f} us"
                          f" | graphs: {tri_g * 1e3:.0f} vs {pad_g * 1e3:.0f} us ({pad_g / tri_g:.1f}x)"))
         # T5's decoder self-attention decode step with the bias: 256 sequences at context 128.
         B, ctx = 256, 128
@@ -213,7 +214,8 @@ def bench(iters: int) -> None:
         ref = time_ms(graphed(lambda: decode_attention_batched(q, cache, meta, 1.0, pos_bias=bias)), iters)
         plain = time_ms(graphed(lambda: backend.attend(q, cache, meta, 1.0)), iters)
         rows.append((f"bias decode {name} 256x ctx {ctx}",
-                     f"triton {tri * 1e3:.0f} us (no bias {plain * 1e3:.0f} us) | torch_ref batched {ref * 1e3:.0f} us"))
+                     f"triton {tri * 1e3:.0f} us (no bias {plain * 1e3:.0f} us)"
+                     f" | torch_ref batched {ref * 1e3:.0f} us"))
 
 
 def main() -> None:

@@ -257,18 +257,18 @@ def _ragged_paged_attn_kernel(
     for n_start in range(lo, tl.minimum(full_lo, kv_end), BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP,
-                                     PAD_D, USE_BIAS)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, USE_WINDOW,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
     for n_start in range(full_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, bias_rows, bias_max, False, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP,
-                                     PAD_D, USE_BIAS)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, False, DOT_PRECISION, USE_WINDOW,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
     for n_start in range(tl.maximum(full_end, full_lo), kv_end, BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP,
-                                     PAD_D, USE_BIAS)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, USE_WINDOW,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padded rows can have l == 0; they are not stored
     out = acc / l_i[:, None]
