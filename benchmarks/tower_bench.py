@@ -90,8 +90,10 @@ def main(argv=None) -> int:
                 sync()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
         if args.compile:
-            for name, mod in image_side_modules(model):
-                setattr(model, name, torch.compile(mod, dynamic=True))
+            for _, mod in image_side_modules(model):  # in place: containers keep their indexing
+                for part in (mod.values() if isinstance(mod, torch.nn.ModuleDict) else
+                             mod if isinstance(mod, torch.nn.ModuleList) else [mod]):
+                    part.compile(dynamic=True)
             for b in batches:
                 rows.append(("compiled", b, time_encode(model, [item] * b, args.repeats)))
     print(f"\nimage side of {os.path.basename(os.path.normpath(args.model))}: {flops / 1e12:.3f} TFLOP per image "

@@ -157,7 +157,7 @@ class Pix2StructForConditionalGeneration(nn.Module):
         d = torch.arange(max_len, device=self.decoder.embed_tokens.weight.device)
         buckets = relative_position_bucket(-d, False, t.relative_attention_num_buckets,
                                            t.relative_attention_max_distance)
-        table = self.decoder.layer[0].self_attention.attention.relative_attention_bias(buckets).t().float()
+        table = self.decoder.layer[0].self_attention.attention.relative_attention_bias(buckets).t().float().contiguous()  # [H, max_len], rows contiguous for the kernels
         for attn in self.self_attn:
             attn.pos_bias = table
         self._bias_ready = True

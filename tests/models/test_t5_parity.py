@@ -52,6 +52,9 @@ def test_t5_mixed_encoder_lengths_match_transformers(t5_dir, tokenizer):
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert_like_hf(hf, prompts, outs, NEW_TOKENS)
     assert llm.engine.kv_manager.pool.is_whole()
+    # The bias table as the Triton kernels read it: fp32 [heads, distances], rows contiguous.
+    table = llm.engine.runner.model.self_attn[0].pos_bias
+    assert table.dtype == torch.float32 and table.is_contiguous()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
