@@ -71,16 +71,17 @@ def random_ids(rng: random.Random, n: int, lo: int = 1000, hi: int = 31000) -> l
 def measure_ttft(llm, args, image_token: int) -> tuple[list[float], int]:
     import numpy as np
 
-    from splitserve.bench.datasets import random_image_uri
+    from splitserve.bench.datasets import parse_size, random_image_uri
     from splitserve.sampling_params import SamplingParams
     rng, np_rng = random.Random(1), np.random.default_rng(1)
+    width, height = parse_size(args.image_size)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times, prompt_len = [], 0
     for i in range(args.ttft_warmup + args.ttft_runs):
         lo, hi = vocab_range(llm)
         # The image right after BOS, as in the throughput prompts (CogVLM accepts it nowhere else).
         ids = [1, image_token] + random_ids(rng, 8 + args.ttft_prompt_len, lo, hi)
-        request = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image_uri(np_rng, 336, 336)]}}
+        request = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image_uri(np_rng, width, height)]}}
         start = time.perf_counter()
         out = llm.generate(request, params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
           f"({cfg.model.architecture}), {cfg.model.dtype}, {device}, backend {cfg.attention_backend}, "
           f"engine start {start_s:.1f} s")
     rows = [
-        ("TTFT, 1 image 336x336 + text", f"median {statistics.median(ttfts) * 1e3:.1f} ms "
+        (f"TTFT, 1 image {args.image_size} + text", f"median {statistics.median(ttfts) * 1e3:.1f} ms "
          f"(min {min(ttfts) * 1e3:.1f}, max {max(ttfts) * 1e3:.1f}; {len(ttfts)} runs; {ttft_prompt_len} prompt tokens)"),
         (f"throughput, {args.num_prompts} random-mm requests",
          f"{tp['requests_per_s']:.2f} req/s, {tp['output_tok_s']:.1f} output tok/s, {tp['total_tok_s']:.1f} total tok/s"),
