@@ -241,7 +241,16 @@ class Scheduler:
         a new token (finished ones included). `prompt_logprobs`: {id: (start, entries, ranks)} of the
         prompt chunks the step computed for requests that asked for them."""
         updated = []
-        for request, n in self._steps.pop(out.step_id, ()):
+        steps = self._steps.pop(out.step_id, ())
+        # Constrained requests' tokens advance their grammars in one call (in the grammar process
+        # with the step's next masks: structured_output/process_manager.py).
+        ended = {}
+        if self.structured is not None and self.structured.live:
+            pairs = [(r, sampled[r.request_id]) for r, _ in steps
+                     if r.grammar is not None and not r.is_finished and r.request_id in sampled]
+            if pairs:
+                ended = self.structured.accept_tokens(pairs)
+        for request, n in steps:
             if request.is_finished:  # aborted (or failed) while the step ran
                 continue
             if prompt_logprobs and not request.output_token_ids:
@@ -253,8 +262,12 @@ class Scheduler:
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
-                if request.grammar is not None and self.structured.accept_token(request, token):
-                    request.status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                if request.grammar is not None and id(request) in ended:
+                    reason = ended[id(request)]
+                    if reason is None:
+                        request.status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                    else:  # its grammar process was lost: the token is not checked, and not given out
+                        request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, reason
                 else:
                     self._check_stop(request, token)
                 updated.append(request)

@@ -67,6 +67,8 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
+    fills_elsewhere = False  # the core fills the masks itself (`fill_bitmask`)
+
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...],
                  tokenizer_loader: Callable[[], object], max_workers: int = 2):
         self.vocab_size = vocab_size
@@ -215,6 +217,12 @@ class StructuredOutputManager:
                            request.request_id, token)
             return True
         return matcher.is_terminated()
+
+    def accept_tokens(self, pairs: list[tuple[object, int]]) -> dict[int, str | None]:
+        """A step's tokens, one (request, token) pair per constrained request that sampled: {id(request):
+        None} for those that must end (see accept_token). The grammar process's manager has the same
+        call, and may give a reason instead of None (its process was lost: the request fails)."""
+        return {id(request): None for request, token in pairs if self.accept_token(request, token)}
 
     def shutdown(self) -> None:
         if self._pool is not None:
