@@ -332,20 +332,22 @@ class GrammarProcessManager:
         the token), {id(request): reason} for those whose grammar process was lost."""
         if self._inline is not None:
             return self._inline.accept_tokens(pairs)
+        # Requests of a lost process: their token may come from an all-allowed row.
+        ended = {id(r): r.grammar.failed for r, _ in pairs if r.grammar.failed is not None}
         pairs = [(r, t) for r, t in pairs if r.grammar.ready]
         if not pairs:
-            return {}
+            return ended
         requests = self._queued
         fill = self._take_queued()
         sent = self._send(("step", self._take_dropped(), [[r.grammar.handle, t] for r, t in pairs], fill))
-        if sent and fill is not None:
-            self._sent = requests
+        if fill is not None:
+            self._sent = requests  # a lost process answers with all-allowed rows (take_fill)
         reply = self._await("accepted") if sent else None
         if reply is None:
             reason = next((r.grammar.failed for r, _ in pairs if r.grammar.failed),
                           "structured outputs: the grammar process was lost")
-            return {id(r): reason for r, _ in pairs}
-        ended = {}
+            ended.update((id(r), reason) for r, _ in pairs)
+            return ended
         for handle, rejected in reply[1]:
             request = self._by_handle.get(handle)
             if request is None:
@@ -382,7 +384,7 @@ class GrammarProcessManager:
         fill = self._take_queued()
         if self._send(("step", self._take_dropped(), [], fill)):
             self._stale["accepted"] += 1  # nobody waits for the empty accept
-            self._sent = requests
+        self._sent = requests  # a lost process answers with all-allowed rows (take_fill)
 
     def take_fill(self) -> torch.Tensor:
         """The rows of the fill sent last ([rows, words] int32, valid until the next fill). Rows of a
