@@ -5,8 +5,11 @@ work instead of on its thread (and under its GIL).
 Started by `process_manager.GrammarProcessManager` as `python -m splitserve.structured_output.grammar_process
 SOCKET_FD BITMASK_FD ROWS WORDS` (a plain interpreter: nothing of the user's `__main__` is imported
 again). SOCKET_FD is its end of a Unix socket pair with the core; BITMASK_FD an anonymous shared file
-of ROWS x WORDS int32 (one bitmask row per constrained row of a step). It dies with the core three
-ways: the kernel's parent-death signal, the socket's end of file, a changed parent pid.
+of ROWS x WORDS int32 (one bitmask row per constrained row of a step). It ends with the core: at the
+socket's end of file (the kernel closes the core's end when the core dies, SIGKILL included), or
+when its parent pid changes (checked every second: a child the core forked may hold the core's end
+open). Not with the parent-death signal of process_lifetime.py: that follows the *thread* that
+started the process, and the first constrained request may come from any thread of the core.
 
 Messages are length-prefixed msgpack arrays, the operation first. From the core:
 - ("setup", pickled (tokenizer loader, vocab size, stop ids, compile threads)): first, once. The
@@ -212,8 +215,6 @@ def serve(sock: socket.socket, bitmask) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from splitserve.process_lifetime import die_with_parent
-    die_with_parent()
     sock_fd, bitmask_fd, rows, words = (int(a) for a in argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s grammar process: %(message)s")
     import mmap

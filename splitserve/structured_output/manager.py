@@ -1,4 +1,6 @@
-"""Grammar state of constrained requests, in the engine core next to the scheduler.
+"""Grammar state of constrained requests, in the engine core next to the scheduler (the in-process
+variant: `structured_outputs_fill="inline"`, and the fallback of the grammar process, whose manager
+in process_manager.py keeps the same contract).
 
 - **Compilation** runs on a thread pool, never on the step loop: the first constrained request also
   builds xgrammar's view of the vocabulary there (the tokenizer's decoded tokens, padded to the
@@ -18,7 +20,8 @@ The mask of a step needs the tokens of the step before it. With the runner in th
 core launches the step's forward first, takes in the tokens of the step in flight (advancing the
 matchers), then fills the masks while the device computes, and enqueues the sampler last (async
 scheduling stays on). Filling on a thread of its own, to overlap the core's other host work too,
-measured slower on the H100 machine (BENCHMARKS.md, eleventh session). Worker processes get
+measured slower on the H100 machine (BENCHMARKS.md, eleventh session): the grammar process does that
+overlap without sharing the core's GIL. Worker processes get
 the masks inside the step message: there a step in which constrained requests sample is collected
 before the next one is scheduled (`needs_sync`).
 """

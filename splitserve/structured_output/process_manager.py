@@ -270,6 +270,8 @@ class GrammarProcessManager:
             self.live[id(request)] = request
             return
         request.grammar = ProcessGrammar(handle)
+        if self._proc is not None and self._proc.proc.poll() is not None:
+            self._lost(f"exit code {self._proc.proc.returncode}")  # died while idle: start another
         self.live[id(request)] = request
         if self._proc is None and not self._start():
             return  # the fallback registered it
