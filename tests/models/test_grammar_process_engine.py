@@ -1,6 +1,7 @@
 """Structured outputs through `LLM` with the grammar process (the default) against the in-process fill
-(`structured_outputs_fill="inline"`), on the default model: the same greedy outputs, with and without
-async scheduling, through preemptions; a killed grammar process ends only its requests."""
+(`structured_outputs_fill="inline"`), on the default model: the same greedy outputs through
+preemptions, with async scheduling (tests/models/test_structured_outputs.py runs the process without
+it); a killed grammar process ends only its requests."""
 import json
 
 import jsonschema
@@ -21,52 +22,50 @@ def prompts_and_params(llm):
     questions = ["Describe a person as JSON.", "Name a city.", "Write a short poem.", "Pick a colour.",
                  "Describe your best friend as JSON.", "Count to five."]
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
-    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=PERSON)),
+    params = [SamplingParams(temperature=0, max_tokens=50, structured_outputs=SO(json=PERSON)),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(regex=r"[A-Z][a-z ]{3,30}")),
               SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=["red", "green", "blue"])),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=SO(json=PERSON)),
               SamplingParams(temperature=0, max_tokens=30, structured_outputs=SO(
                   grammar='root ::= num (" " num)*\nnum ::= [1-9]'))]
     return prompts, params
 
 
+# A KV cache too small for the batch: requests are preempted and recomputed (their matchers keep their
+# state in the grammar process). Async scheduling: the rows are taken a step call after the tokens went.
+SMALL = dict(num_blocks=24, block_size=16, max_num_batched_tokens=256, async_scheduling=True)
+
+
 @pytest.fixture(scope="module")
 def inline():
-    return LLM(num_blocks=1024, structured_outputs_fill="inline")
+    return LLM(structured_outputs_fill="inline", **SMALL)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_outputs_equal_the_in_process_fill(inline, async_scheduling):
-    prompts, params = prompts_and_params(inline)
-    ref = inline.generate(prompts, params, use_tqdm=False)
-    llm = LLM(num_blocks=1024, async_scheduling=async_scheduling)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.core.structured.fills_elsewhere and llm.engine.core.structured.process.poll() is None
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in ref]
-    jsonschema.validate(json.loads(got[0].outputs[0].text), PERSON)
-    assert got[3].outputs[0].text in ("red", "green", "blue")
-    assert not llm.engine.core.structured.live and not llm.engine.has_unfinished_requests()
+@pytest.fixture(scope="module")
+def process():
+    return LLM(**SMALL)
 
 
-def test_outputs_equal_the_in_process_fill_through_preemptions(inline):
-    """A KV cache too small for the batch: requests are preempted and recomputed (their matchers keep
-    their state in the grammar process); the outputs still equal the in-process fill's."""
+def test_outputs_equal_the_in_process_fill_through_preemptions(inline, process):
     prompts, params = prompts_and_params(inline)
     prompts, params = prompts * 2, params * 2
-    small = dict(num_blocks=24, block_size=16, max_num_batched_tokens=256)
-    ref_llm = LLM(structured_outputs_fill="inline", async_scheduling=True, **small)
-    ref = ref_llm.generate(prompts, params, use_tqdm=False)
-    llm = LLM(async_scheduling=True, **small)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.core.scheduler.num_preemptions > 0 and ref_llm.engine.core.scheduler.num_preemptions > 0
+    ref = inline.generate(prompts, params, use_tqdm=False)
+    got = process.generate(prompts, params, use_tqdm=False)
+    structured = process.engine.core.structured
+    assert structured.fills_elsewhere and structured.process.poll() is None
+    assert process.engine.core.scheduler.num_preemptions > 0 and inline.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in ref]
+    if got[0].outputs[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(got[0].outputs[0].text), PERSON)
+    assert got[3].outputs[0].text in ("red", "green", "blue")
+    assert not structured.live and not process.engine.has_unfinished_requests()
 
 
-def test_a_killed_grammar_process_ends_the_constrained_requests_only(inline):
+def test_a_killed_grammar_process_ends_the_constrained_requests_only(inline, process):
     prompts, params = prompts_and_params(inline)
-    llm = LLM(num_blocks=1024, async_scheduling=True)
+    llm = process
     plain = params[1]
     ref = inline.generate([prompts[1]], plain, use_tqdm=False)[0].outputs[0].token_ids
     engine = llm.engine
