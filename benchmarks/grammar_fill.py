@@ -9,7 +9,7 @@ structured_overhead.py schema (inside a JSON string, the state most of its token
 grammar process (the default; structured_output/process_manager.py) against the fill on the core's
 thread ("inline"), through the managers the core uses and in the core's order: the step's tokens and
 the next rows go out, the core does --host-work-ms of other Python work (a stand-in for its scheduler
-update, outputs and next schedule, holding the GIL), then takes the rows. Per step (medians) it
+update, outputs and next schedule, holding the GIL), then reads the accept's answer and takes the rows. Per step (medians) it
 prints how long the core's thread is held by the grammar calls (sending the tokens and waiting for
 their accept, then taking, or filling, the rows), the rows' part of it, and the step's wall time.
 """

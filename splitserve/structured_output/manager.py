@@ -227,6 +227,11 @@ class StructuredOutputManager:
         call, and may give a reason instead of None (its process was lost: the request fails)."""
         return {id(request): None for request, token in pairs if self.accept_token(request, token)}
 
+    def accept_tokens_later(self, pairs: list[tuple[object, int]]) -> Callable[[], dict[int, str | None]]:
+        """accept_tokens, with its answer read when the returned function is called (here at once)."""
+        ended = self.accept_tokens(pairs)
+        return lambda: ended
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

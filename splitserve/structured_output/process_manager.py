@@ -332,33 +332,41 @@ class GrammarProcessManager:
         """Advances the matchers by a step's sampled tokens (the queued fill goes out in the same
         message). Returns {id(request): None} for requests whose grammar ended (complete, or it refused
         the token), {id(request): reason} for those whose grammar process was lost."""
+        return self.accept_tokens_later(pairs)()
+
+    def accept_tokens_later(self, pairs: list[tuple[object, int]]) -> Callable[[], dict[int, str | None]]:
+        """accept_tokens in two halves: the tokens go out now, the returned function waits for the
+        answer (the caller works meanwhile; nothing else may be sent before it is called)."""
         if self._inline is not None:
-            return self._inline.accept_tokens(pairs)
+            return self._inline.accept_tokens_later(pairs)
         # Requests of a lost process: their token may come from an all-allowed row.
         ended = {id(r): r.grammar.failed for r, _ in pairs if r.grammar.failed is not None}
         pairs = [(r, t) for r, t in pairs if r.grammar.ready]
         if not pairs:
-            return ended
+            return lambda: ended
         requests = self._queued
         fill = self._take_queued()
         sent = self._send(("step", self._take_dropped(), [[r.grammar.handle, t] for r, t in pairs], fill))
         if fill is not None:
             self._sent = requests  # a lost process answers with all-allowed rows (take_fill)
-        reply = self._await("accepted") if sent else None
-        if reply is None:
-            reason = next((r.grammar.failed for r, _ in pairs if r.grammar.failed),
-                          "structured outputs: the grammar process was lost")
-            ended.update((id(r), reason) for r, _ in pairs)
+
+        def answer() -> dict[int, str | None]:
+            reply = self._await("accepted") if sent else None
+            if reply is None:
+                reason = next((r.grammar.failed for r, _ in pairs if r.grammar.failed),
+                              "structured outputs: the grammar process was lost")
+                ended.update((id(r), reason) for r, _ in pairs)
+                return ended
+            for handle, rejected in reply[1]:
+                request = self._by_handle.get(handle)
+                if request is None:
+                    continue
+                if rejected:
+                    logger.warning("request %s: sampled token is not allowed by its grammar; ending it",
+                                   request.request_id)
+                ended[id(request)] = None
             return ended
-        for handle, rejected in reply[1]:
-            request = self._by_handle.get(handle)
-            if request is None:
-                continue
-            if rejected:
-                logger.warning("request %s: sampled token is not allowed by its grammar; ending it",
-                               request.request_id)
-            ended[id(request)] = None
-        return ended
+        return answer
 
     def accept_token(self, request, token: int) -> bool:
         """One token (the in-process manager's single-request form)."""
