@@ -120,6 +120,8 @@ def measure_throughput(llm, args, image_token: int, text_only_lengths: list[int]
     # Encoder-decoder models encode their image in the encoder run (no image step encoder): one per request.
     encoded = (lambda: runner.mm.num_images_encoded) if runner.mm is not None else (lambda: 0)
     encoded_before = encoded()
+    prefetched = (lambda: getattr(runner.mm, "num_images_prefetched", 0)) if runner.mm is not None else (lambda: 0)
+    prefetched_before = prefetched()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -129,6 +131,7 @@ def measure_throughput(llm, args, image_token: int, text_only_lengths: list[int]
     return {"elapsed_s": elapsed, "preprocess_s": preprocess_s, "requests_per_s": len(prompts) / elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (sum(lengths) + n_out) / elapsed,
             "prompt_lengths": lengths, "mean_prompt_tokens": sum(lengths) / len(prompts), "paths": paths,
+            "images_prefetched": prefetched() - prefetched_before,
             "images_encoded": (encoded() - encoded_before) if runner.mm is not None
             else (0 if text_only_lengths else len(prompts))}
 
@@ -157,7 +160,12 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--image-size", default="336x336", help="random-mm image WIDTHxHEIGHT")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="encode every image in the step that admits its request (A/B of encoding ahead)")
     args = p.parse_args(argv)
+    if args.no_prefetch:
+        import splitserve.multimodal.step
+        splitserve.multimodal.step.PREFETCH_BATCH = 0
 
     import torch
 
@@ -189,7 +197,8 @@ def main(argv=None) -> int:
          f"{tp['requests_per_s']:.2f} req/s, {tp['output_tok_s']:.1f} output tok/s, {tp['total_tok_s']:.1f} total tok/s"),
         ("  run", f"{tp['elapsed_s']:.2f} s engine; {tp['preprocess_s']:.2f} s image preprocessing (not in the rate); "
          f"{tp['mean_prompt_tokens']:.0f} prompt tokens/request; output {args.output_len}; "
-         f"{tp['images_encoded']} images encoded, {tp['images_encoded'] / tp['elapsed_s']:.1f} images/s"),
+         f"{tp['images_encoded']} images encoded ({tp['images_prefetched']} ahead of admission), "
+         f"{tp['images_encoded'] / tp['elapsed_s']:.1f} images/s"),
         ("  steps", path_shares(tp["paths"])),
     ]
     if text:

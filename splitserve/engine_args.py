@@ -41,6 +41,9 @@ class EngineArgs(CliOptions):
     max_model_len: int | None = option(
         None, default_text="the model's context length",
         help="longest sequence (prompt + output) in tokens; at most the model's context length")
+    num_frames: int | None = option(
+        None, default_text="the model's (Video NeVA: data.num_frames of its config, else 8)",
+        help="frames sampled evenly from each video input (models that take videos)")
     max_num_seqs: int = option(256, help="most sequences in one step's batch")
     max_num_batched_tokens: int = option(
         8192, help="token budget of one step; longer prompts are prefilled in chunks")

@@ -57,6 +57,8 @@ class Request:
     # The worker holds this request's state (it was sent as new and has not been reported finished);
     # a preempted request stays there, out of the batch, and is sent back as resumed.
     in_worker: bool = False
+    # Its images were announced to the worker while it waited (SchedulerOutput.mm_prefetch).
+    mm_announced: bool = False
     num_worker_blocks: int = 0  # leading block ids the worker has been sent
     stop_reason: int | str | None = None
     # Per-token logprob dicts of the output: [{token_id: logprob, ...}] (sampled token first).

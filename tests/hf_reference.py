@@ -54,7 +54,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                         eos_token_id=None)
+                         eos_token_id=None, forced_eos_token_id=None)  # (mBART's config forces EOS last)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
     return tokens, logprobs

@@ -101,6 +101,11 @@ class AttentionKernelSpec:
     kv_dtype: torch.dtype | None = None  # the KV cache's dtype; None: dtype
     # The distinct (sliding_window, soft_cap) pairs of the model's attention layers (None: none).
     attn_variants: tuple[tuple[int | None, float | None], ...] = ((None, None),)
+    # Whether the self-attention layers carry a relative position bias table (T5's decoder).
+    pos_bias: bool = False
+    # Encoder-decoder models: the longest encoder input a decode graph's cross-attention reads (the
+    # cross graph state's max_enc_len); 0: the model has no cross-attention.
+    cross_max_enc_len: int = 0
 
 
 class AttentionBackend:

@@ -1,4 +1,5 @@
-"""Triton attention backend: KV store + ragged paged attention (mixed batches) or split-K decode."""
+"""Triton attention backend: KV store + ragged paged attention (mixed batches) or split-K decode, with
+T5's relative position bias when a layer has one, and cross-attention on the same kernels."""
 from __future__ import annotations
 
 import functools
@@ -8,6 +9,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from splitserve.attention.backend import AttentionBackend, AttentionKernelSpec, AttentionMetadata, DecodeGraphState
+from splitserve.attention.cross_ref import CrossAttentionMetadata
+from splitserve.attention.ops.cross_attention import cross_decode_splits, cross_paged_attention, is_cross_decode
 from splitserve.attention.ops.paged_attention import (
     default_num_splits, paged_decode_attention, ragged_paged_attention, ragged_variant)
 from splitserve.attention.ops.store_kv import store_kv
@@ -44,19 +47,16 @@ class TritonBackend(AttentionBackend):
                 cos_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
                 soft_cap: float | None = None, pos_bias: torch.Tensor | None = None) -> torch.Tensor:
-        if pos_bias is not None:
-            # KERNEL PLUG-IN POINT: the kernels add no relative position bias (T5) yet; such layers take
-            # the reference's plain functions (its batched decode path reads no host value).
-            from splitserve.attention.torch_ref import TorchRefBackend
-            return TorchRefBackend(cpu_path=False).forward(q, k, v, kv_cache, meta, scale, positions, cos_sin,
-                                                           k_scale, v_scale, sliding_window, soft_cap, pos_bias)
+        if pos_bias is not None and soft_cap is not None:
+            raise ValueError("a relative position bias together with a logit soft cap is not supported")
         rotated = store_kv(k, v, kv_cache, meta.slot_mapping, q, positions, cos_sin, k_scale, v_scale)  # one pass
         return self.attend(q if rotated is None else rotated, kv_cache, meta, scale, k_scale, v_scale,
-                           sliding_window, soft_cap)
+                           sliding_window, soft_cap, pos_bias)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-               sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, soft_cap: float | None = None,
+               pos_bias: torch.Tensor | None = None) -> torch.Tensor:
         # The decode kernel maps q row b to sequence b, which holds only when every sequence has
         # exactly one query token: T == B (both host-known shapes) together with max_query_len == 1.
         if meta.is_pure_decode and q.shape[0] == meta.num_seqs:
@@ -65,10 +65,18 @@ class TritonBackend(AttentionBackend):
             num_splits = meta.decode_num_splits if isinstance(meta, TritonMetadata) else None
             return paged_decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, meta.max_seq_len,
                                           scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
-                                          sliding_window=sliding_window, soft_cap=soft_cap)
+                                          sliding_window=sliding_window, soft_cap=soft_cap, pos_bias=pos_bias)
         return ragged_paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       meta.max_query_len, meta.max_seq_len, scale, k_scale=k_scale, v_scale=v_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap)
+                                      sliding_window=sliding_window, soft_cap=soft_cap, pos_bias=pos_bias)
+
+    # -- cross-attention (encoder-decoder models) ------------------------------------------------------
+    def cross_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CrossAttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """The Triton kernels (ops/cross_attention.py): a decode step reads no host value, so the
+        decode graphs capture it at the bounds of capture_cross_metadata."""
+        return cross_paged_attention(q, kv_cache, meta.query_start_loc, meta.enc_lens, meta.block_tables,
+                                     meta.max_query_len, meta.max_enc_len, scale)
 
     # -- metadata ------------------------------------------------------------------------------------
     def build_metadata(self, slot_mapping, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
@@ -100,7 +108,9 @@ class TritonBackend(AttentionBackend):
         """The KV store (one variant), then each warm-up step and decode graph whose kernel variant
         (decode with or without splits, or the ragged kernel's compile-time configuration) is new.
         Every decode launch carries its split count, computed from spec.num_sms: the precompile
-        children must never ask CUDA for the SM count."""
+        children must never ask CUDA for the SM count. With spec.pos_bias every attention launch
+        carries a bias table (its length is not specialized); with spec.cross_max_enc_len the
+        cross-attention launches follow (_cross_launches)."""
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         launches = [_store_launch(spec, device)]
         cache = torch.empty(1, 2, spec.block_size, hkv, d, dtype=spec.kv_dtype or spec.dtype, device=device)
@@ -113,6 +123,8 @@ class TritonBackend(AttentionBackend):
                 q = torch.empty(meta.slot_mapping.shape[0], hq, d, dtype=spec.dtype, device=device)
                 # The layer's window and cap as keywords (a layer without them passes none).
                 extra = {k: x for k, x in (("sliding_window", window), ("soft_cap", soft_cap)) if x is not None}
+                if spec.pos_bias:
+                    extra["pos_bias"] = torch.empty(hq, 2 * spec.block_size, dtype=torch.float32, device=device)
                 launches.append(functools.partial(self.attend, q, cache, meta, d ** -0.5, k_scale, v_scale, **extra))
 
         for window, soft_cap in spec.attn_variants:  # each kind of layer launches its own variants
@@ -132,7 +144,42 @@ class TritonBackend(AttentionBackend):
                 for bs in spec.decode_batch_sizes:
                     meta = self.capture_metadata(state, bs)
                     add(("decode", meta.decode_num_splits > 1), meta, window, soft_cap)
+        if spec.cross_max_enc_len:
+            launches += _cross_launches(spec, warm_up, cache, device)
         return launches
+
+
+def _cross_launches(spec: AttentionKernelSpec, warm_up: Sequence[AttentionMetadata], cache: torch.Tensor,
+                    device: torch.device) -> list[Callable[[], object]]:
+    """Cross-attention's kernel variants: the decode kernel with and/or without splits as the decode
+    graphs (one query per sequence, the cross state's bound) and the warm-up's decode steps use it,
+    and the non-causal ragged kernel for each warm-up layout with longer queries (its encoder
+    lengths at the bound)."""
+    hq, hkv, d, max_enc = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.cross_max_enc_len
+    enc_blocks = -(-max_enc // spec.block_size)
+    launches, seen = [], set()
+
+    def add(num_tokens: int, num_seqs: int, max_query_len: int, qsl: torch.Tensor) -> None:
+        if is_cross_decode(num_tokens, num_seqs, max_query_len):
+            splits = cross_decode_splits(num_seqs, hkv, max_enc, num_sms=spec.num_sms)
+            variant = ("decode", splits > 1)
+        else:
+            splits = None
+            variant = ("ragged", ragged_variant(num_tokens, num_seqs, max_query_len, max_enc, hq, hkv, d))
+        if variant in seen:
+            return
+        seen.add(variant)
+        q = torch.empty(num_tokens, hq, d, dtype=spec.dtype, device=device)
+        enc_lens = torch.empty(num_seqs, dtype=torch.int32, device=device)
+        table = torch.empty(num_seqs, enc_blocks, dtype=torch.int32, device=device)
+        launches.append(functools.partial(cross_paged_attention, q, cache, qsl, enc_lens, table, max_query_len,
+                                          max_enc, d ** -0.5, num_splits=splits))
+
+    for meta in warm_up:
+        add(meta.slot_mapping.shape[0], meta.num_seqs, meta.max_query_len, meta.query_start_loc)
+    for bs in spec.decode_batch_sizes:
+        add(bs, bs, 1, torch.empty(bs + 1, dtype=torch.int32, device=device))
+    return launches
 
 
 def _store_launch(spec: AttentionKernelSpec, device: torch.device) -> Callable[[], object]:

@@ -10,6 +10,9 @@ again (`ResumedRequestData`). The worker keeps everything else in its persistent
 state. Structs are msgspec's, so a message can be encoded once and broadcast to several worker
 processes (engine.messages.Codec handles the image tensors of multimodal items).
 
+Images of waiting requests are announced once (`mm_prefetch`), before their admission, so the
+worker may encode them ahead; a request aborted while waiting after that is reported finished too.
+
 Resumption: a preempted request stays known to the worker (its tokens, its seeded generator), out of
 the batch. When it is scheduled again, `ResumedRequestData` gives its new block table (replacing the
 freed one) and its new num_computed_tokens (prefix-cache hits at re-admission, else 0); the worker
@@ -85,6 +88,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Encoder-decoder models: requests whose encoder runs in this step (admitted, or resumed after a
     # preemption) -> their cross block ids; the worker writes the encoder K/V there before the decoder.
     encoder_runs: dict[str, list[int]] = {}
+    # Vision-language models: images of requests still waiting, each announced once, so the worker can
+    # encode them ahead, beside the steps before their admission (multimodal/step.py).
+    mm_prefetch: dict[str, tuple[ImageItem, ...]] = {}
 
     @property
     def is_empty(self) -> bool:

@@ -167,6 +167,7 @@ class Scheduler:
                 out.encoder_runs[request.request_id] = list(request.encoder_block_ids)
             budget -= n + enc
         self.waiting.extendleft(reversed(compiling))
+        self._announce_images(out)
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
@@ -176,6 +177,17 @@ class Scheduler:
         if scheduled:
             self._steps[out.step_id] = scheduled
         return out
+
+    def _announce_images(self, out: SchedulerOutput) -> None:
+        """Announces the images of the next waiting requests (as far ahead as one batch of running
+        requests) to the worker once, so that it can encode them before their admission."""
+        for k, request in enumerate(self.waiting):
+            if k >= self.config.max_num_seqs:
+                break
+            if request.mm_items and not request.mm_announced and not request.in_worker \
+                    and not request.num_encoder_tokens:
+                request.mm_announced = True
+                out.mm_prefetch[request.request_id] = request.mm_items
 
     def _victim(self) -> tuple[Request, int]:
         """The running request to preempt and its index: the newest (fcfs), or the lowest priority
@@ -347,6 +359,6 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         if request.grammar is not None:
             self.structured.release(request)
-        if request.in_worker:
+        if request.in_worker or request.mm_announced:  # (announced: the worker may hold its images)
             self._finished_ids.append(request.request_id)
-            request.in_worker = False
+            request.in_worker = request.mm_announced = False

@@ -104,6 +104,10 @@ def resolve_model_spec(args: EngineArgs) -> ModelSpec:
     defaults = sampling_defaults(args.generation_config, source.directory, bool(source.gguf_file),
                                  args.override_generation_config)
     hf_config = load_hf_config(source)
+    if args.num_frames is not None:  # frames sampled per video (Video NeVA); the model reads it
+        if args.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {args.num_frames}")
+        hf_config.num_frames = args.num_frames
     dtype = resolve_dtype(args.dtype, hf_config, device)
     quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
     context = getattr(hf_config, "max_position_embeddings", None) or 2048

@@ -38,7 +38,10 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
             return None
         with torch.device("meta"):
             model = cls(spec.config.model.hf_config)
-    return build_mm_processor(model, spec.source, tokenizer)
+    processor = build_mm_processor(model, spec.source, tokenizer)
+    if processor is not None:
+        processor.max_model_len = spec.config.model.max_model_len
+    return processor
 
 
 class EngineFront:
@@ -76,8 +79,9 @@ class EngineFront:
         # BLIP-2 T5: the prompt's images sit in the encoder's input (models/blip2_t5.py)
         self.encoder_prompt_has_images = bool(getattr(getattr(mm_processor, "model", None),
                                                       "encoder_prompt_has_images", False))
-        self.output_processor = OutputProcessor(
-            tokenizer, stream_interval, getattr(getattr(mm_processor, "model", None), "postprocess_text", None))
+        model = getattr(mm_processor, "model", None)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval, getattr(model, "postprocess_text", None),
+                                                getattr(model, "postprocess_markdown", None))
         self._ids = itertools.count()
         from splitserve.lora.registry import LoRARegistry
         # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.
@@ -101,6 +105,9 @@ class EngineFront:
                    else self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
             ids = list(prompt)
+            check = getattr(self.mm_processor, "check_token_ids", None)
+            if check is not None:  # a placeholder id with no image behind it
+                check(ids)
         return ids if k is None else self.truncate(ids, k)
 
     def truncate(self, ids: list[int], k: int) -> list[int]:
@@ -202,6 +209,7 @@ class EngineFront:
         eos = self.config.model.eos_token_ids
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
                              eos, arrival, self.tokenizer, stream)
+        state.num_encoder_tokens = num_encoder_tokens
         self.output_processor.add_request(state)
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
                                               lora_request, priority, list(encoder_ids), num_encoder_tokens)

@@ -129,7 +129,7 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         self._decode_logprobs(out)
-                        tokens_in += len(out.prompt_token_ids)
+                        tokens_in += len(out.prompt_token_ids) + out.num_encoder_tokens
                         tokens_out += sum(len(o.token_ids) for o in out.outputs)
                         if not bar.disable:
                             elapsed = max(time.perf_counter() - start, 1e-9)

@@ -64,6 +64,8 @@ class CompletionOutput:
     delta_logprobs: list[dict[int, Logprob]] | None = None
     # A model's post-processing of the finished text (Kosmos-2 grounding: {"text", "entities"}).
     grounding: dict | None = None
+    # Nougat: transformers' markdown post-processing of the finished text (models/nougat.py).
+    markdown: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -85,6 +87,9 @@ class RequestOutput:
     # prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token its
     # {token_id: Logprob} (the prompt token itself and the top k); set from the first output token on.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An encoder-decoder request's encoder positions (prompt_token_ids are then the decoder's start
+    # token): the API counts both as the prompt, as vLLM counts Whisper's encoder prompt.
+    num_encoder_tokens: int = 0
 
 
 class _ChildState:
@@ -129,6 +134,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.queue_time: float | None = None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.num_encoder_tokens = 0  # set by the front for encoder-decoder requests
 
     @property
     def finished(self) -> bool:
@@ -210,7 +216,7 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, queue_time=self.queue_time,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs, num_encoder_tokens=self.num_encoder_tokens)
 
 
 class OutputProcessor:
@@ -221,12 +227,14 @@ class OutputProcessor:
     `stream_interval` N, a running request's output is delivered once N new tokens have gathered
     (1: every token is its own event); final outputs are always delivered at once."""
 
-    def __init__(self, tokenizer, stream_interval: int = 1, text_postprocess=None):
-        """text_postprocess: the model's hook for finished texts (Kosmos-2's grounding), or None."""
+    def __init__(self, tokenizer, stream_interval: int = 1, text_postprocess=None, markdown_postprocess=None):
+        """text_postprocess: the model's hook for finished texts (Kosmos-2's grounding), or None;
+        markdown_postprocess: the same for Nougat's markdown (text -> str or None)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
         self.text_postprocess = text_postprocess
+        self.markdown_postprocess = markdown_postprocess
         self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}
         self.children: dict[str, tuple[RequestState, _ChildState]] = {}  # sequence id -> its request
@@ -287,6 +295,9 @@ class OutputProcessor:
         if self.text_postprocess is not None:
             for o in out.outputs:
                 o.grounding = self.text_postprocess(o.text)
+        if self.markdown_postprocess is not None:
+            for o in out.outputs:
+                o.markdown = self.markdown_postprocess(o.text)
         self.states.pop(state.request_id, None)
         for c in state.children:
             self.children.pop(c.request_id, None)

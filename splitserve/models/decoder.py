@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.attention.cross import CrossAttention
 from splitserve.attention.layer import Attention
 from splitserve.distributed.communication import Intermediate, tp_all_gather
 from splitserve.distributed.parallel_state import pp_group, stage_layers, tp_group
@@ -162,6 +163,39 @@ class PlainMLP(nn.Module):
         return self.down_proj(h)
 
 
+class DecoderCrossAttention(nn.Module):
+    """The decoder of an encoder-decoder model (mBART in Nougat): each layer's attention over its
+    request's encoder output, a pre-norm residual block between self-attention and MLP. kv_proj maps
+    the encoder output once per request (`store`, when the encoder runs) into the cross blocks of the
+    layer's cache; the step's queries go through the cross-attention op. Its heads and head size are
+    the self-attention's: the two groups share the layer's cache tensor."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, num_heads: int, num_kv_heads: int,
+                 quant_config: QuantConfig | None, ckpt: str):
+        super().__init__()
+        names = spec.family.names
+        H, hd = spec.hidden_size, spec.head_dim
+
+        def method(module: str):
+            return method_for(quant_config, *(ckpt + n for n in names.checkpoint_modules(module)))
+        self.norm = make_norm(spec)
+        self.q_proj = ColumnParallelLinear(H, spec.num_heads * hd, bias=spec.qkv_bias, method=method("cross_attn.q_proj"))
+        kv = spec.num_kv_heads * hd
+        self.kv_proj = MergedColumnParallelLinear(H, {"k": kv, "v": kv}, bias=spec.qkv_bias,
+                                                  method=method("cross_attn.kv_proj"))
+        self.o_proj = RowParallelLinear(spec.num_heads * hd, H, bias=spec.o_bias, method=method("cross_attn.o_proj"))
+        self.attn = CrossAttention(layer_idx, num_heads, num_kv_heads, hd, spec.scale)
+
+    def store(self, encoder_out: torch.Tensor, slots: torch.Tensor, backend) -> None:
+        """Projects a step's encoder outputs [E, hidden] to K/V and stores them at their cross slots."""
+        k, v = self.kv_proj.split(self.kv_proj(encoder_out))
+        self.attn.store(k, v, slots, backend)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.norm(x, residual)
+        return self.o_proj(self.attn(self.q_proj(h))), residual
+
+
 def make_mlp(spec: DecoderSpec, model_layer: int, quant_config, ckpt: str) -> nn.Module:
     moe = spec.moe
     if moe is not None and model_layer not in moe.dense_layers:
@@ -201,6 +235,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(spec)
             self.post_feedforward_layernorm = make_norm(spec)
         self.residual_multiplier = spec.residual_multiplier
+        self.cross_attn = (DecoderCrossAttention(spec, layer_idx, self.self_attn.num_heads, self.self_attn.num_kv_heads,
+                                                 quant_config, prefix) if spec.cross_attention else None)
 
     # The layer in two batchful halves around the batchless attention op. Compiled (and, for
     # piecewise CUDA graphs, captured) separately; forward is just the two with the op between.
@@ -215,6 +251,8 @@ class DecoderLayer(nn.Module):
         if self.self_attn.inner_attn_ln is not None:
             attn_out = self.self_attn.inner_attn_ln(attn_out)
         x = self.self_attn.o_proj(attn_out)
+        if self.cross_attn is not None:  # encoder-decoder models: over the encoder output before the MLP
+            x, residual = self.cross_attn(x, residual)
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
@@ -270,12 +308,13 @@ class DecoderForCausalLM(nn.Module):
     (hidden, residual) that the next stage's forward takes as `intermediate`."""
 
     def __init__(self, config, quant_config: QuantConfig | None = None, prefix: str = "model",
-                 head_name: str = "lm_head"):
+                 head_name: str = "lm_head", cross_attention: bool = False):
         """`prefix` / `head_name`: the checkpoint's module names of the decoder and the LM head, by
-        which a quantization config picks each layer's method (VLMs nest the decoder deeper)."""
+        which a quantization config picks each layer's method (VLMs nest the decoder deeper).
+        cross_attention: the decoder of an encoder-decoder model (each layer's `cross_attn`)."""
         super().__init__()
         self.config = config
-        self.spec = spec = decoder_spec(config)
+        self.spec = spec = decoder_spec(config, cross_attention)
         self.quant_config = quant_config
         pp = pp_group()
         self.tp_size = tp_group().world_size
@@ -287,6 +326,7 @@ class DecoderForCausalLM(nn.Module):
                                 if pp.is_first and offset is not None else None)
         if pp.is_first and spec.family.sinusoidal_positions:
             self.embed_positions = SinusoidalPositions(spec.max_position, spec.hidden_size, spec.position_offset)
+        self.embed_norm = make_norm(spec) if pp.is_first and spec.family.embed_norm else None
         # Gemma multiplies the embedding by sqrt(hidden) rounded to the model's dtype first.
         self.embed_scale = (None if spec.embed_scale is None
                             else float(torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype(), device="cpu")))
@@ -318,6 +358,8 @@ class DecoderForCausalLM(nn.Module):
             x = x * self.embedding_multiplier
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         return x, start_residual(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,

@@ -67,6 +67,9 @@ class Family:
     #                                      scale_embedding (Kosmos-2: sqrt(hidden) on the inputs, image features too)
     multipliers: bool = False            # Granite's residual_multiplier and logits_scaling
     soft_caps: bool = False              # Gemma 2's attn_logit_softcapping / final_logit_softcapping
+    embed_norm: bool = False             # LayerNorm on the input stream after positions (mBART's layernorm_embedding)
+    layers_field: str = "num_hidden_layers"     # mBART: decoder_layers (its num_hidden_layers is the encoder's)
+    heads_field: str = "num_attention_heads"    # mBART: decoder_attention_heads
     names: WeightNames = field(default_factory=WeightNames)
 
 
@@ -109,6 +112,23 @@ FAMILIES: dict[str, Family] = {
                 "ffn.fc2": ("mlp.down_proj", None), "ffn.ffn_layernorm": ("mlp.ffn_layernorm", None),
                 "self_attn_layer_norm": ("input_layernorm", None),
                 "final_layer_norm": ("post_attention_layernorm", None)})),
+    # mBART's decoder (MBartForCausalLM; Nougat's decoder, with cross-attention: models/nougat.py):
+    # OPT-like pre-norm layers, learned positions at offset 2, sqrt(d_model) embedding scale and a
+    # LayerNorm on the embeddings. Cross-attention tensors go to DecoderCrossAttention.
+    "mbart": Family(norm="layer", eps_field=None, mlp="plain", act_field="activation_function",
+                    intermediate_field="decoder_ffn_dim", learned_positions=2, qkv_bias=True, o_bias=True,
+                    mlp_bias=True, embed_scale="scale_embedding", embed_norm=True, layers_field="decoder_layers",
+                    heads_field="decoder_attention_heads", names=WeightNames(
+                        inner="decoder.", top={"layer_norm": "norm", "layernorm_embedding": "embed_norm"}, layer={
+                            **{k: v for k, v in _LLAMA_LAYER.items() if k.startswith("self_attn")},
+                            "self_attn.out_proj": ("self_attn.o_proj", None), "fc1": ("mlp.up_proj", None),
+                            "fc2": ("mlp.down_proj", None), "self_attn_layer_norm": ("input_layernorm", None),
+                            "final_layer_norm": ("post_attention_layernorm", None),
+                            "encoder_attn.q_proj": ("cross_attn.q_proj", None),
+                            "encoder_attn.k_proj": ("cross_attn.kv_proj", "k"),
+                            "encoder_attn.v_proj": ("cross_attn.kv_proj", "v"),
+                            "encoder_attn.out_proj": ("cross_attn.o_proj", None),
+                            "encoder_attn_layer_norm": ("cross_attn.norm", None)})),
     "mixtral": Family(mlp="moe"),
     # Nemotron / NVGPT (NeVA's decoder): LayerNorm1P, squared ReLU up/down MLP, partial rotary
     "nemotron": Family(norm="layer1p", eps_field="norm_eps", mlp="plain", names=WeightNames(
@@ -124,6 +144,7 @@ ARCHITECTURES = {
     "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "kosmos_2_text_model": "Kosmos2TextForCausalLM",  # Kosmos-2's language model, alone
+    "mbart": "MBartForCausalLM",  # mBART's decoder alone (with cross-attention: Nougat's, models/nougat.py)
 }
 
 
@@ -149,8 +170,10 @@ _REFUSED = {
 }
 
 
-def _check_refused(config, family: Family, model_type: str) -> None:
+def _check_refused(config, family: Family, model_type: str, cross_attention: bool = False) -> None:
     for name, (ok, what) in _REFUSED.items():
+        if cross_attention and name == "add_cross_attention":
+            continue  # the caller is an encoder-decoder model that feeds the cross-attention
         value = getattr(config, name, None)
         if not ok(value, config):
             raise ValueError(f"{model_type} config field {name}={value!r} is not supported ({what}); "
@@ -215,6 +238,7 @@ class DecoderSpec:
     logits_scaling: float | None
     moe: MoESpec | None
     position_offset: int = 0            # sinusoidal positions: table row of position 0
+    cross_attention: bool = False       # a cross-attention block per layer (encoder-decoder models)
 
     @property
     def rot_dim(self) -> int:
@@ -255,11 +279,15 @@ def _moe_spec(config, model_type: str) -> MoESpec:
                    getattr(config, "shared_expert_intermediate_size", 0) or 0, frozenset(dense))
 
 
-def decoder_spec(config) -> DecoderSpec:
-    """The decoder's choices for a config; ValueError naming the field for anything it cannot compute."""
+def decoder_spec(config, cross_attention: bool = False) -> DecoderSpec:
+    """The decoder's choices for a config; ValueError naming the field for anything it cannot compute.
+    cross_attention: the decoder of an encoder-decoder model (a config's add_cross_attention is
+    refused otherwise: a decoder alone has no encoder output to attend to)."""
     model_type, fam = family_of(config)
-    _check_refused(config, fam, model_type)
-    hidden, heads = config.hidden_size, config.num_attention_heads
+    _check_refused(config, fam, model_type, cross_attention)
+    if cross_attention and (fam.sandwich or fam.multipliers or fam.inner_attn_norm):
+        raise ValueError(f"{model_type}: cross-attention is supported in plain pre-norm layers only")
+    hidden, heads = config.hidden_size, getattr(config, fam.heads_field)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     act = getattr(config, fam.act_field, None) or "silu"
     qk_norm = fam.qk_norm if fam.qk_norm_field is None or getattr(config, fam.qk_norm_field, False) else None
@@ -272,8 +300,8 @@ def decoder_spec(config) -> DecoderSpec:
     embed_scale = math.sqrt(hidden) if fam.embed_scale == "sqrt_hidden" else None
     caps = [getattr(config, f, None) if fam.soft_caps else None
             for f in ("attn_logit_softcapping", "final_logit_softcapping")]
-    n = config.num_hidden_layers
-    windows = tuple(layer_sliding_windows(config))
+    n = getattr(config, fam.layers_field)
+    windows = tuple(layer_sliding_windows(config)) if fam.layers_field == "num_hidden_layers" else (None,) * n
     if len(windows) != n:
         raise ValueError(f"{model_type} config: {len(windows)} layer_types for {n} layers")
     return DecoderSpec(
@@ -293,4 +321,5 @@ def decoder_spec(config) -> DecoderSpec:
         residual_multiplier=_multiplier(config, "residual_multiplier") if fam.multipliers else None,
         logits_scaling=_multiplier(config, "logits_scaling") if fam.multipliers else None,
         moe=_moe_spec(config, model_type) if fam.mlp == "moe" else None,
-        position_offset=(getattr(config, "pad_token_id", None) or 0) + 1 if fam.sinusoidal_positions else 0)
+        position_offset=(getattr(config, "pad_token_id", None) or 0) + 1 if fam.sinusoidal_positions else 0,
+        cross_attention=cross_attention)

@@ -28,6 +28,7 @@ from torch import nn
 
 from splitserve.attention.cross import CrossAttention
 from splitserve.attention.layer import Attention
+from splitserve.models.encoder_image_prompt import EncoderImagePromptProcessor
 from splitserve.models.t5 import _ACTIVATIONS, T5LayerNorm, relative_position_bucket
 
 DEPLOT_PROMPT = "Generate underlying data table of the figure below:"
@@ -156,7 +157,7 @@ class Pix2StructForConditionalGeneration(nn.Module):
         d = torch.arange(max_len, device=self.decoder.embed_tokens.weight.device)
         buckets = relative_position_bucket(-d, False, t.relative_attention_num_buckets,
                                            t.relative_attention_max_distance)
-        table = self.decoder.layer[0].self_attention.attention.relative_attention_bias(buckets).t().float()
+        table = self.decoder.layer[0].self_attention.attention.relative_attention_bias(buckets).t().float().contiguous()  # [H, max_len], rows contiguous for the kernels
         for attn in self.self_attn:
             attn.pos_bias = table
         self._bias_ready = True
@@ -222,30 +223,19 @@ def render_header(image_processor, img, header: str, font_path: str | None):
     return image_processor.render_header(chw, header, font_path=font_path).transpose(1, 2, 0)
 
 
-class Pix2StructPromptProcessor:
+class Pix2StructPromptProcessor(EncoderImagePromptProcessor):
     """The front's processor for Pix2Struct: one image per request, the text rendered as its header
     (VQA-style models such as Deplot; the default header is Deplot's prompt)."""
+    model_name = "Pix2Struct"
 
     def __init__(self, model, model_directory: str, tokenizer):
-        from splitserve.multimodal.processor import load_image_processor
-        self.model = model
-        self.tokenizer = tokenizer
-        self.image_processor = load_image_processor(model_directory)
+        super().__init__(model, model_directory, tokenizer)
         self.is_vqa = bool(getattr(self.image_processor, "is_vqa", False))
         self.font_path = default_font_path()
         t = model.config.text_config
         self.decoder_start_token_id = t.decoder_start_token_id
         # A token-id prompt marks its image with this id; the other ids are decoded as the header.
         self.placeholder_id = t.pad_token_id if t.pad_token_id is not None else 0
-
-    def process_image(self, img):
-        """(content hash, the decoded image): the patches depend on the header, cut in build_prompt."""
-        from splitserve.multimodal.processor import image_hash
-        return image_hash(img), img
-
-    def load_and_process(self, sources: list, policy):
-        from splitserve.multimodal.media import load_image
-        return [self.process_image(load_image(s, policy)) for s in sources]
 
     def flattened_patches(self, img, header: str | None) -> torch.Tensor:
         """The image's real patches [n, 2 + patch pixels] (the processor pads to max_patches)."""
@@ -258,37 +248,9 @@ class Pix2StructPromptProcessor:
             raise ValueError("Pix2Struct patches are not a prefix of the processor's output")
         return out["flattened_patches"][0, :n].contiguous()
 
-    def build_prompt(self, prompt, images):
-        from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt
-        self.check_count(len(images), None)
-        if not isinstance(prompt, str):
-            prompt = self.tokenizer.decode([t for t in prompt if t != self.placeholder_id], skip_special_tokens=True)
-        img_hash, img = images[0]
-        header = prompt.strip() or None
+    def encoder_item(self, img, img_hash: str, text: str):
+        from splitserve.multimodal.inputs import ImageItem
+        header = text or None
         patches = self.flattened_patches(img, header)
         key = f"{img_hash}:{header if self.is_vqa else ''}"  # the header is part of the encoder's input
-        item = ImageItem(key, patches, (img.size[1], img.size[0]), patches.shape[0], 0)
-        return MultiModalPrompt([self.decoder_start_token_id], [item])
-
-    @staticmethod
-    def split_chat(messages: list[dict]):
-        from splitserve.multimodal.processor import MultiModalProcessor
-        return MultiModalProcessor.split_chat(messages)
-
-    def check_count(self, n: int, policy) -> None:
-        from splitserve.multimodal.media import MediaError
-        if n != 1:
-            raise MediaError(f"Pix2Struct takes exactly one image per request, got {n}")
-
-    def chat_prompt_from_messages(self, messages: list[dict], images):
-        """Chat without a template: the text parts of the user's messages are the header (the
-        server calls this instead of rendering a chat template when the processor has it)."""
-        from splitserve.multimodal.processor import IMAGE_MARKER
-        converted, _ = self.split_chat(messages)
-        text = "\n".join(m["content"] for m in converted if m.get("role") == "user")
-        return self.build_prompt(text.replace(IMAGE_MARKER, " ").strip(), images)
-
-    def chat_prompt(self, messages: list[dict], render_text, policy):
-        _, sources = self.split_chat(messages)
-        self.check_count(len(sources), policy)
-        return self.chat_prompt_from_messages(messages, self.load_and_process(sources, policy))
+        return ImageItem(key, patches, (img.size[1], img.size[0]), patches.shape[0], 0)

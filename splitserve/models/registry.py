@@ -16,11 +16,14 @@ _MODELS = {
     # encoder-decoder models (cross-attention: attention/cross.py)
     "T5ForConditionalGeneration": ("splitserve.models.t5", "T5ForConditionalGeneration"),
     "Pix2StructForConditionalGeneration": ("splitserve.models.pix2struct", "Pix2StructForConditionalGeneration"),
+    # Swin + mBART only (Nougat); other encoder/decoder pairs are refused by name (nougat.supported_pair)
+    "VisionEncoderDecoderModel": ("splitserve.models.nougat", "NougatForConditionalGeneration"),
     "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "CogVLMForCausalLM"),
     "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
     "FuyuForCausalLM": ("splitserve.models.fuyu", "FuyuForCausalLM"),
     "Kosmos2ForConditionalGeneration": ("splitserve.models.kosmos2", "Kosmos2ForConditionalGeneration"),
+    "NevaForCausalLM": ("splitserve.models.neva", "NevaForCausalLM"),  # .nemo archives (nemo_archive.py)
 }
 
 # config.json model_type (or architecture) -> (module, function(directory) -> config) for
@@ -28,6 +31,12 @@ _MODELS = {
 _CONFIG_READERS = {
     "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
+    "NevaForCausalLM": ("splitserve.models.neva", "load_neva_config"),
+    # the decoder's sizes at the top level (mBART names its encoder's num_hidden_layers)
+    "vision-encoder-decoder": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
+    "nougat": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
+    # mBART's decoder alone: its num_attention_heads names the encoder's; the decoder's go to the top
+    "mbart": ("splitserve.models.nougat", "load_mbart_config"),
 }
 
 

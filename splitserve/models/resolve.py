@@ -45,8 +45,12 @@ def resolve_model(model: str | None) -> ModelSource:
         return default_model_source()
     path = os.path.expanduser(model)
     if os.path.isfile(path):
+        if path.endswith(".nemo"):  # unpacked once into a cache directory (models/nemo_archive.py)
+            from splitserve.models.nemo_archive import unpack
+            return ModelSource(os.path.basename(path), unpack(path))
         if not path.endswith(".gguf"):
-            raise ValueError(f"model file {path} is not a .gguf file; pass a GGUF file or an HF model directory")
+            raise ValueError(f"model file {path} is not a .gguf or .nemo file; pass a GGUF file, a .nemo archive "
+                             f"or an HF model directory")
         return ModelSource(os.path.basename(path), os.path.dirname(os.path.abspath(path)), os.path.basename(path))
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):

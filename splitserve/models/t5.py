@@ -207,7 +207,7 @@ class T5ForConditionalGeneration(nn.Module):
             return
         max_len = int(getattr(self.config, "max_position_embeddings", None) or 2048) + 1
         d = torch.arange(max_len, device=self.shared.weight.device)
-        table = self._bias(self.decoder, d, torch.zeros_like(d[:1]), bidirectional=False)[:, :, 0].float()
+        table = self._bias(self.decoder, d, torch.zeros_like(d[:1]), bidirectional=False)[:, :, 0].float().contiguous()
         for attn in self.self_attn:
             attn.pos_bias = table
         self._bias_ready = True

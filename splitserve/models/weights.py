@@ -46,6 +46,8 @@ def _stage_name(model, name: str) -> str | None:
         return None
     if name.startswith("embed_positions.") and model.embed_positions is None:
         return None
+    if name.startswith("embed_norm.") and model.embed_norm is None:
+        return None
     if name.startswith("norm.") and model.norm is None:
         return None
     if name.startswith("lm_head.") and (model.lm_head is None or model.head_from_embedding):
@@ -128,6 +130,8 @@ def load_decoder_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> 
                 loaded.add(f"layers.{index}.mlp.{target[0]}")
                 continue
         module_name, param, how = _route(model, name)
+        if ".cross_attn." in module_name + "." and not spec.cross_attention:
+            continue  # mBART's decoder alone holds cross-attention weights it uses only with an encoder
         module = modules.get(module_name)
         try:
             if isinstance(module, Linear):

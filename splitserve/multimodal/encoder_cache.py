@@ -8,6 +8,10 @@ counting once it has computed past that point, finished, or been preempted (it i
 runs again). If every entry is needed, the cache grows past its bound rather than failing a step;
 it shrinks back as users move on.
 
+An entry encoded ahead of its request's admission (multimodal/step.py's prefetch) is *reserved*:
+kept like a pinned one until its request pins it (admitted) or the reservation is dropped (the
+request ended while waiting).
+
 A user is the worker's state of a request (worker/input_batch.py), read through three attributes:
 `req_id`, `is_active` (in the running batch: not finished, not preempted) and `num_computed_tokens`.
 """
@@ -25,6 +29,7 @@ class EncoderCache:
         self.capacity_tokens = capacity_tokens
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # LRU first
         self._users: dict[str, dict[str, tuple[object, int]]] = {}     # hash -> request id -> (user, end)
+        self._reserved: set[str] = set()  # encoded ahead, its request not admitted yet
         self.num_tokens = 0
         self.hits = 0
         self.misses = 0
@@ -44,7 +49,9 @@ class EncoderCache:
         self._entries.move_to_end(key)
         return feats
 
-    def put(self, key: str, feats: torch.Tensor) -> None:
+    def put(self, key: str, feats: torch.Tensor, reserve: bool = False) -> None:
+        if reserve:
+            self._reserved.add(key)
         if key in self._entries:
             return
         self._entries[key] = feats
@@ -54,8 +61,19 @@ class EncoderCache:
     def pin(self, key: str, user, end: int) -> None:
         """Marks key as needed by a request (its worker state) until it has computed `end` tokens."""
         self._users.setdefault(key, {})[user.req_id] = (user, end)
+        self._reserved.discard(key)
+
+    def unreserve(self, key: str) -> None:
+        self._reserved.discard(key)
+
+    def room(self) -> int:
+        """Tokens that entries could still take without going over the bound or evicting an entry
+        that is needed (pinned or reserved)."""
+        return self.capacity_tokens - sum(f.shape[0] for k, f in self._entries.items() if self._still_needed(k))
 
     def _still_needed(self, key: str) -> bool:
+        if key in self._reserved:
+            return True
         users = self._users.get(key)
         if not users:
             return False
@@ -85,10 +103,11 @@ class EncoderCache:
         """Nothing pinned, and (after trimming what went over the bound while pinned) within its
         bound, with the token count matching the entries: what a drained engine must show."""
         self._evict()
-        return self.num_pinned() == 0 and not self._users and self.num_tokens <= self.capacity_tokens \
+        return self.num_pinned() == 0 and not self._users and not self._reserved and self.num_tokens <= self.capacity_tokens \
             and self.num_tokens == sum(f.shape[0] for f in self._entries.values())
 
     def clear(self) -> None:
         self._entries.clear()
         self._users.clear()
+        self._reserved.clear()
         self.num_tokens = 0

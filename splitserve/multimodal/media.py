@@ -138,7 +138,8 @@ def _decode_data_url(url: str, policy: MediaPolicy):
     return decode_image_bytes(data, policy, "data: URL image")
 
 
-def _read_local(path: str, policy: MediaPolicy, what: str):
+def read_local_bytes(path: str, policy: MediaPolicy, what: str, max_bytes: int) -> bytes:
+    """A local file's bytes, if it lies under the allowed local media path and within max_bytes."""
     root = policy.allowed_local_media_path
     real = os.path.realpath(path)
     if root is None:
@@ -147,13 +148,16 @@ def _read_local(path: str, policy: MediaPolicy, what: str):
         raise MediaError(f"{what} is outside the allowed local media path")
     try:
         size = os.path.getsize(real)
-        if size > policy.max_image_bytes:
-            raise MediaError(f"{what} is {size} bytes; the limit is {policy.max_image_bytes} bytes")
+        if size > max_bytes:
+            raise MediaError(f"{what} is {size} bytes; the limit is {max_bytes} bytes")
         with open(real, "rb") as f:
-            data = f.read()
+            return f.read()
     except OSError as e:
         raise MediaError(f"{what} could not be read ({e.strerror or e})") from None
-    return decode_image_bytes(data, policy, what)
+
+
+def _read_local(path: str, policy: MediaPolicy, what: str):
+    return decode_image_bytes(read_local_bytes(path, policy, what, policy.max_image_bytes), policy, what)
 
 
 def _check_host(url: str, policy: MediaPolicy) -> None:

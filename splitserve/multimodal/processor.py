@@ -18,12 +18,16 @@ import torch
 
 from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt, ProcessedImage
 from splitserve.multimodal.media import MediaError, MediaPolicy, load_image
+from splitserve.multimodal.video import DecodedVideo, VideoRef, load_video
 
 logger = logging.getLogger(__name__)
 
 IMAGE_MARKER = "<image>"
 IMAGE_PART_TYPES = ("image_url", "input_image", "image", "image_pil")
 VILA_IMAGE_TOKEN_INDEX = -200
+# Videos (models with `video_token_index`: Video NeVA): `<video>` in text, that id in token-id prompts.
+VIDEO_MARKER = "<video>"
+VIDEO_PART_TYPES = ("video_url", "video")
 
 
 def image_hash(img) -> str:
@@ -68,6 +72,13 @@ class MultiModalProcessor:
         self.marker_is_token = marker_id is not None and marker_id == self.placeholder_id
         # Ids that mark an image in a token-id prompt.
         self.marker_ids = {self.placeholder_id, VILA_IMAGE_TOKEN_INDEX}
+        # Whether the placeholder is a token of its own (not a stand-in such as VILA's token 0): a
+        # token-id prompt that holds it without an image is refused (check_token_ids).
+        self.placeholder_is_dedicated = placeholder is not None or self.marker_is_token
+        # Videos: the id that marks one (None: the model takes none) and the frames sampled from it.
+        self.video_marker_id = getattr(model, "video_token_index", None)
+        self.num_frames = getattr(model, "num_frames", None)
+        self.max_model_len: int | None = None  # set by the engine's front: a video too long is a 400
 
     # -- images ----------------------------------------------------------------------------------
     def process_image(self, img) -> ProcessedImage:
@@ -85,8 +96,42 @@ class MultiModalProcessor:
         n = self.model.num_image_tokens(pixels.shape[0], size)
         return ProcessedImage(image_hash(img), pixels.contiguous(), size, n)
 
+    def process_video(self, video: DecodedVideo) -> ProcessedImage:
+        """A video's sampled frames as one item: the frames are its tiles, their runs back to back."""
+        if self.video_marker_id is None:
+            raise MediaError(f"model {type(self.model).__name__} does not accept videos")
+        pixels = torch.cat([self.process_image(f).pixel_values for f in video.frames])
+        n = self.model.num_video_tokens(len(video.frames))
+        if self.max_model_len is not None and n >= self.max_model_len:
+            raise MediaError(f"a video of {len(video.frames)} frames takes {n} tokens, but the model's context is "
+                             f"{self.max_model_len} tokens (max_model_len); lower --num-frames")
+        size = (video.frames[0].size[1], video.frames[0].size[0])
+        return ProcessedImage(video.hash, pixels.contiguous(), size, n, {"kind": "video"})
+
+    def process_media(self, media) -> ProcessedImage:
+        """A decoded image (PIL) or video (DecodedVideo)."""
+        return self.process_video(media) if isinstance(media, DecodedVideo) else self.process_image(media)
+
+    def load_media(self, source, policy: MediaPolicy):
+        """An image source -> PIL image; a VideoRef -> DecodedVideo (refused for a model without video)."""
+        if isinstance(source, VideoRef):
+            if self.video_marker_id is None:
+                raise MediaError(f"model {type(self.model).__name__} does not accept videos")
+            return load_video(source, policy, self.num_frames)
+        return load_image(source, policy)
+
     def load_and_process(self, sources: list, policy: MediaPolicy) -> list[ProcessedImage]:
-        return [self.process_image(load_image(s, policy)) for s in sources]
+        return [self.process_media(self.load_media(s, policy)) for s in sources]
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """A token-id prompt without images or videos must not hold a marker: its placeholder run
+        would get no features (the embeddings of the marker token itself would be read instead)."""
+        markers = ({self.placeholder_id} if self.placeholder_is_dedicated else set()) | \
+            ({self.video_marker_id} if self.video_marker_id is not None else set())
+        found = sorted(markers.intersection(ids))
+        if found:
+            raise MediaError(f"the prompt holds image/video placeholder token id(s) {found} but no image or video "
+                             f"was given (pass multi_modal_data, or image_url/video_url content parts)")
 
     # -- prompts ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -122,20 +167,31 @@ class MultiModalProcessor:
             ids = self.tokenize(prompt, add_special_tokens=special)
         else:
             ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
+        video_id = self.video_marker_id
+        marks = [i for i, t in enumerate(ids) if t in self.marker_ids or (video_id is not None and t == video_id)]
         arrange = getattr(self.model, "arrange_prompt", None)
         if not marks and images and arrange is not None:
             # Hook: where a model's own processor puts images in a prompt that names no place for
             # them (BLIP-2, Fuyu: first); returns the ids with one marker id per image.
             ids = arrange(ids, len(images), self.placeholder_id)
             marks = [i for i, t in enumerate(ids) if t in self.marker_ids]
-        if len(marks) != len(images):
-            raise MediaError(f"the prompt has {len(marks)} image placeholder(s) ({IMAGE_MARKER}) but "
-                             f"{len(images)} image(s) were given")
+        # Image markers take the images in order, video markers the videos.
+        videos = [m for m in images if m.extra.get("kind") == "video"]
+        stills = [m for m in images if m.extra.get("kind") != "video"]
+        n_video_marks = sum(1 for i in marks if video_id is not None and ids[i] == video_id)
+        if len(marks) - n_video_marks != len(stills) or n_video_marks != len(videos):
+            what = f"{len(marks) - n_video_marks} image placeholder(s) ({IMAGE_MARKER})"
+            given = f"{len(stills)} image(s)"
+            if video_id is not None:
+                what += f" and {n_video_marks} video placeholder(s) ({VIDEO_MARKER})"
+                given += f" and {len(videos)} video(s)"
+            raise MediaError(f"the prompt has {what} but {given} were given")
+        queues = {True: iter(videos), False: iter(stills)}
+        ordered = [next(queues[video_id is not None and ids[i] == video_id]) for i in marks]
         out: list[int] = []
         items: list[ImageItem] = []
         prev = 0
-        for pos, img in zip(marks, images):
+        for pos, img in zip(marks, ordered):
             out.extend(ids[prev:pos])
             items.append(ImageItem(img.hash, img.pixel_values, img.image_size, img.num_tokens, len(out)))
             # Hook: a model whose image run holds other tokens than its placeholder (Fuyu's row ends)
@@ -167,6 +223,9 @@ class MultiModalProcessor:
                     elif kind in IMAGE_PART_TYPES:
                         sources.append(image_part_source(part))
                         texts.append(IMAGE_MARKER)
+                    elif kind in VIDEO_PART_TYPES:
+                        sources.append(VideoRef(video_part_source(part)))
+                        texts.append(VIDEO_MARKER)
                     else:
                         raise MediaError(f"unsupported content part type {kind!r}")
                 content = "\n".join(texts)
@@ -202,9 +261,19 @@ def image_part_source(part: dict):
     raise MediaError("image content part has no image (expected image_url.url)")
 
 
+def video_part_source(part: dict):
+    """vLLM's {"type": "video_url", "video_url": {"url": ...}}, or the offline {"type": "video", "video": ...}."""
+    for key in ("video_url", "video", "url"):
+        if key in part and part[key] is not None:
+            value = part[key]
+            return value.get("url") if isinstance(value, dict) else value
+    raise MediaError("video content part has no video (expected video_url.url)")
+
+
 def has_images(messages: list[dict]) -> bool:
+    """Whether any message has an image or video part."""
     return any(isinstance(m.get("content"), list) and
-               any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in m["content"])
+               any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES + VIDEO_PART_TYPES for p in m["content"])
                for m in messages)
 
 
@@ -228,13 +297,30 @@ def offline_prompt(engine, prompt: dict) -> MultiModalPrompt:
     if mm is None:
         raise ValueError(f"model {engine.model_name} does not accept images")
     data = prompt["multi_modal_data"] or {}
-    unknown = set(data) - {"image"}
+    unknown = set(data) - {"image", "video"}
     if unknown:
-        raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; only 'image' is supported")
+        raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; 'image' and 'video' are supported")
     images = data.get("image", [])
     images = list(images) if isinstance(images, (list, tuple)) else [images]
+    # One video: a path / bytes / URL, or its frames ([T, H, W, 3] array, or a list of frames);
+    # several: a list of those (a list whose items are all frames is one video).
+    videos = data.get("video", [])
+    if _is_one_video(videos):
+        videos = [videos]
     text = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-    return mm.build_prompt(text, mm.load_and_process(images, MediaPolicy.offline()))
+    sources = images + [VideoRef(v) for v in videos]
+    return mm.build_prompt(text, mm.load_and_process(sources, MediaPolicy.offline()))
+
+
+def _is_one_video(value) -> bool:
+    if not isinstance(value, (list, tuple)):
+        return True
+    return bool(value) and all(_is_frame(f) for f in value)
+
+
+def _is_frame(value) -> bool:
+    from PIL import Image
+    return isinstance(value, Image.Image) or getattr(value, "ndim", None) == 3
 
 
 def offline_chat_prompt(llm, messages: list[dict], add_generation_prompt: bool, **kwargs):

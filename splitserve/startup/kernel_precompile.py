@@ -133,6 +133,16 @@ class AttentionPrecompile:
                     len(self.procs), codes, time.perf_counter() - self.start)
 
 
+def t5_decoder_attention(text_config) -> tuple[int, int, int] | None:
+    """(heads, KV heads, head size) of a T5-style decoder (T5 / Flan-T5, BLIP-2's T5, Pix2Struct's
+    text model: `num_heads` and `d_kv`, self-attention with a relative position bias, cross-attention
+    of the same shape); None for any other config."""
+    heads, head_dim = getattr(text_config, "num_heads", None), getattr(text_config, "d_kv", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        return None
+    return heads, heads, head_dim
+
+
 def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, budget: int, max_model_len: int,
                                batch_sizes: list[int], backend: str = "triton",
                                kv_dtype: torch.dtype | None = None) -> AttentionPrecompile | None:
@@ -143,19 +153,28 @@ def start_attention_precompile(hf_config, dtype: torch.dtype, block_size: int, b
     if not get_backend(backend).jit_kernels:
         return None
     text = getattr(hf_config, "text_config", None) or hf_config
+    pos_bias, cross_max_enc_len = False, 0
     try:
         # The attention shape and the layers' (window, soft cap) kinds, as the decoder reads them.
         shape = decoder_spec(text)
+        num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        rot_dim, variants = shape.rot_dim, shape.attn_variants
     except (AttributeError, ValueError):
-        return None
-    num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    rot_dim, variants = shape.rot_dim, shape.attn_variants
+        t5 = t5_decoder_attention(text)
+        if t5 is None:
+            return None
+        num_heads, num_kv_heads, head_dim = t5
+        rot_dim, variants, pos_bias = 0, ((None, None),), True
+        # The front refuses encoder inputs longer than the budget less one; the cross graph state is
+        # assumed to allow that many positions, in whole blocks.
+        cross_max_enc_len = -(-max(1, budget - 1) // block_size) * block_size
     major, minor = torch.cuda.get_device_capability()
     # The SM count of the device the engine's launches will run on (the current one): the children
     # give it to the backend's launch heuristics instead of asking CUDA.
     num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     spec = AttentionKernelSpec(backend, num_heads, num_kv_heads, head_dim, dtype, block_size, budget, max_model_len,
-                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim, kv_dtype, variants)
+                               tuple(batch_sizes), num_sms, major * 10 + minor, rot_dim, kv_dtype, variants,
+                               pos_bias=pos_bias, cross_max_enc_len=cross_max_enc_len)
     try:
         return AttentionPrecompile(spec, num_workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
     except (OSError, ValueError) as exc:  # no fork on this platform, or no processes left to start

@@ -12,6 +12,12 @@ the real tokens. Padding rows are harmless there: every batchful layer treats ro
 All graphs share one memory pool. That is safe because a step replays one bucket's graphs in capture
 order and no data passes between different buckets' graphs through pool memory.
 
+An encoder-decoder model's decode graphs also hold its cross-attention ops (`cross_blocks`: the
+widest cross block table): the cross metadata (each row's encoder length and cross blocks) has
+static buffers of its own, filled by the backend's `prepare_cross_replay` like the self-attention's;
+padding rows get encoder length 0. Encoders run eagerly before the forward, in the step that admits
+a request (a decoder prompt of one start token makes that step a decode step too, so it may replay).
+
 With LoRA (`lora_state`: the wrappers' shared flag, lora/layers.py) the graphs are captured with the
 delta op, which reads the step's layout from static buffers, so steps with adapters replay them too.
 Decode graphs are captured twice, with and without the delta, and a step without adapters replays
@@ -41,7 +47,7 @@ class DecodeGraphs:
 
     def __init__(self, model, backend: AttentionBackend, sizes: list[int], max_blocks_per_seq: int,
                  max_model_len: int, num_kv_heads: int, device: torch.device, use_graphs: bool = True,
-                 lora_state=None):
+                 lora_state=None, cross_blocks: int = 0, block_size: int = 0):
         self.model = model
         self.backend = backend
         self.use_graphs = use_graphs
@@ -57,6 +63,7 @@ class DecodeGraphs:
             self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
             self.positions = torch.zeros(n, dtype=torch.long, device=dev)
             self.attn_state = backend.decode_graph_state(n, max_blocks_per_seq, max_model_len, num_kv_heads, dev)
+            self.cross_state = backend.cross_graph_state(n, cross_blocks, block_size, dev) if cross_blocks else None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits here: one [max_size, vocab] buffer in the model's dtype
         # instead of one per graph (together ~1 GB at 8B/128k vocab for sizes up to 512, taken from
@@ -64,7 +71,10 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None
 
     def _forward(self, bs: int) -> None:
-        ctx = ForwardContext(self.backend.capture_metadata(self.attn_state, bs), self.backend)
+        meta = self.backend.capture_metadata(self.attn_state, bs)
+        if self.cross_state is not None:
+            meta.cross = self.backend.capture_cross_metadata(self.cross_state, bs)
+        ctx = ForwardContext(meta, self.backend)
         with forward_context(ctx):
             hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if self.logits is None:  # the first (warm-up, uncaptured) run: learn the vocabulary size
@@ -113,6 +123,8 @@ class DecodeGraphs:
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
         self.backend.prepare_replay(self.attn_state, meta, bs)
+        if self.cross_state is not None:
+            self.backend.prepare_cross_replay(self.cross_state, meta.cross, bs)
         if self.use_graphs:
             self.graphs[bs, lora and self.lora_state is not None].replay()
         else:

@@ -230,23 +230,29 @@ class ModelRunner:
 
     # -- fast path (CUDA) --------------------------------------------------------------------------
     def setup_fast_path(self) -> None:
-        """Compiles the decoder layers and captures decode CUDA graphs (CUDA without enforce_eager)."""
-        if self.device.type != "cuda" or self.config.compile.enforce_eager or self.encdec is not None:
-            return  # (encoder-decoder models run eagerly for now)
+        """Compiles the decoder layers and captures decode CUDA graphs (CUDA without enforce_eager).
+        An encoder-decoder model's decode graphs capture its forward as it is (its layers are not
+        compiled), with the cross-attention ops inside; its other steps run eagerly."""
+        if self.device.type != "cuda" or self.config.compile.enforce_eager:
+            return
         start = time.perf_counter()
-        compile_decoder_layers(self.model)
+        if self.encdec is None:
+            compile_decoder_layers(self.model)
         sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
         m = self.config.model
         lora_state = None if self.lora is None else self.lora.model.state  # graphs with the LoRA delta too
+        cross_blocks = 0 if self.encdec is None else self.encdec.cross_table.shape[1]
         self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
-                                   self.kv_layout()[1], self.device, lora_state=lora_state)
-        self._warm_up_eager()
+                                   self.kv_layout()[1], self.device, lora_state=lora_state,
+                                   cross_blocks=cross_blocks, block_size=self.block_size)
+        if self.encdec is None:
+            self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.graphs.capture(pool, stream)
         budget = self.config.scheduler.max_num_batched_tokens
         piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
-        if piecewise_sizes and supports_piecewise(self.model):
+        if piecewise_sizes and self.encdec is None and supports_piecewise(self.model):
             self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state)
             self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
@@ -271,6 +277,8 @@ class ModelRunner:
         self.input_batch.update(sched)
         if self.encdec is not None:
             self.encdec.update(sched)
+        if self.mm is not None:
+            self.mm.prefetch(sched)
 
     def prepare(self, sched: SchedulerOutput, inflight: InFlightStep | None = None) -> ForwardBatch:
         """Applies the message to the persistent batch, lays the step out in staging buffers and copies
@@ -408,6 +416,8 @@ class ModelRunner:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)
         logits = self._forward_logits(batch)
+        if self.mm is not None:  # images of waiting requests, encoded beside this step's forward
+            self.mm.prefetch(sched)
         if batch.prompt_logprobs_out is not None:
             step.prompt_logprobs = (batch.prompt_logprobs,
                                     tuple(x.to("cpu", non_blocking=True) for x in batch.prompt_logprobs_out))

@@ -5,10 +5,14 @@ padding rows) gives the eager result."""
 import pytest
 import torch
 
-from splitserve.attention.backend import AttentionBackend, AttentionMetadata
-from splitserve.attention.cross_ref import (CrossAttentionMetadata, cross_attention_padded, cross_attention_ref,
-                                            encoder_slots)
-from splitserve.attention.torch_ref import TorchRefBackend
+from tests import triton_interpreter_shims
+
+triton_interpreter_shims.install()  # the Triton backend's kernels run in the interpreter on CPU
+
+from splitserve.attention.backend import AttentionBackend, AttentionMetadata  # noqa: E402
+from splitserve.attention.cross_ref import (  # noqa: E402
+    CrossAttentionMetadata, cross_attention_padded, cross_attention_ref, encoder_slots)
+from splitserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 
 BS = 4
 
@@ -80,11 +84,11 @@ def test_cross_attention_decode_graph_layout():
 @pytest.mark.parametrize("backend_name", ["torch_ref", "triton"])
 def test_self_attention_position_bias_matches_dense_definition(backend_name):
     """A per-head table over query-key distance (T5's decoder bias): the ragged path and the batched
-    decode path against a dense causal softmax with the bias added (the Triton backend hands such
-    layers to the reference's functions until a kernel adds the bias)."""
+    decode path against a dense causal softmax with the bias added (the Triton backend's kernels:
+    its ragged and split-K decode kernels, whose head size must be a multiple of 16)."""
     from splitserve.attention.registry import get_backend
     g = torch.Generator().manual_seed(5)
-    H, D, num_blocks = 2, 8, 32
+    H, D, num_blocks = 2, 16, 32
     table = torch.randn(H, 64, generator=g)
     backend = get_backend(backend_name)
     for q_lens, ctx_lens in (([3, 1, 5], [0, 6, 2]), ([1, 1, 1], [4, 9, 13])):

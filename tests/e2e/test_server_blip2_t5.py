@@ -22,7 +22,7 @@ def test_blip2_t5_image_chat_through_the_openai_client(tmp_path):
     text = tok.apply_chat_template([{"role": "user", "content": "<image>\nWhat is in this picture?"}],
                                    add_generation_prompt=True, tokenize=False)
     # a rendered template carries its own special tokens
-    want, _, _ = reference((path, tok, hf, blip2_processor(path, tok)), text, img, add_special_tokens=False)
+    want, _, encoder_len = reference((path, tok, hf, blip2_processor(path, tok)), text, img, add_special_tokens=False)
     srv = ServerProcess(DEFAULT_ARGS + [path, "--attention-backend", "torch_ref"])
     try:
         srv.wait_healthy()
@@ -32,6 +32,8 @@ def test_blip2_t5_image_chat_through_the_openai_client(tmp_path):
         resp = client.chat.completions.create(**kw)
         assert resp.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
         assert resp.usage.completion_tokens == NEW_TOKENS
+        # the prompt the user sent: the encoder's input (query tokens and text) and the decoder start
+        assert resp.usage.prompt_tokens == encoder_len + 1
         stream = client.chat.completions.create(**kw, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == resp.choices[0].message.content
     finally:

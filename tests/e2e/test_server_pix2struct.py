@@ -46,6 +46,9 @@ def test_chart_chat_matches_transformers(deplot_server):
     from splitserve.models.resolve import load_tokenizer
     assert resp.choices[0].message.content == load_tokenizer(None).decode(tokens, skip_special_tokens=True)
     assert resp.usage.completion_tokens == NEW_TOKENS
+    from tests.pix2struct_reference import hf_inputs
+    patches = int(hf_inputs(processor, chart, DEPLOT_PROMPT)["attention_mask"].sum())
+    assert resp.usage.prompt_tokens == patches + 1  # the encoder's patches and the decoder's start token
     stream = client.chat.completions.create(model="tiny-deplot", messages=message(chart), max_tokens=NEW_TOKENS,
                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == resp.choices[0].message.content

@@ -41,9 +41,14 @@ def test_completions_match_transformers(t5_server):
                                      extra_body={"ignore_eos": True})
     assert resp.choices[0].text == _reference(path, tok, prompt)
     assert resp.usage.completion_tokens == MAX_TOKENS
+    # usage counts what the user sent: the encoder's tokens, and the decoder's start token
+    assert resp.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=True)) + 1
     stream = client.completions.create(model="tiny-t5", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    assert "".join(c.choices[0].text for c in stream if c.choices) == resp.choices[0].text
+                                       stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == resp.choices[0].text
+    assert {c.usage.prompt_tokens for c in chunks if c.usage} == {resp.usage.prompt_tokens}
 
 
 def test_encoder_input_too_long_is_a_400(t5_server):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import openai
 import pytest
 import torch
@@ -111,3 +112,15 @@ def test_disallowed_sources_are_400(vlm, tmp_path):
     assert "outside the allowed" in _bad(client, image_message(f"file://{media}/../{outside.name}"))
     assert "not allowed" in _bad(client, image_message("http://example.com/cat.png"))
     assert "not allowed" in _bad(client, image_message("https://example.com/cat.png"))
+
+
+def test_video_and_a_bare_placeholder_id_are_400_for_llava(vlm):
+    """LLaVA takes no video; a token-id prompt holding its image token without an image is refused."""
+    srv, client, _, tok, _ = vlm
+    with pytest.raises(openai.BadRequestError, match="does not accept videos"):
+        client.chat.completions.create(model="tiny-llava", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
+    ids = tok.encode("Look", add_special_tokens=False) + [tok.convert_tokens_to_ids("<image>")]
+    with pytest.raises(openai.BadRequestError, match="no image or video was given"):
+        client.completions.create(model="tiny-llava", max_tokens=2, prompt=ids)
+    assert httpx.get(srv.url + "/health", timeout=5).status_code == 200

@@ -59,6 +59,13 @@ CASES = {
     # Nemotron (NeVA's NVGPT decoder): LayerNorm1P (stores w - 1) with bias, squared ReLU up/down MLP,
     # half rotary, GQA
     "nemotron": ("nemotron", dict(hidden_size=128, partial_rotary_factor=0.5, head_dim=32), (3, 60)),
+    # mBART's decoder (MBartForCausalLM; Nougat's, without cross-attention): LayerNorm, GELU fc1/fc2,
+    # learned positions (offset 2), sqrt(d_model) embedding scale, a LayerNorm on the embeddings, tied;
+    # the decoder's own layer/head counts differ from the encoder's (which num_hidden_layers names)
+    "mbart": ("mbart", dict(intermediate_size=None, num_key_value_heads=None, decoder_layers=2, encoder_layers=5,
+                            num_attention_heads=None, encoder_attention_heads=8, num_hidden_layers=None,
+                            decoder_attention_heads=4, decoder_ffn_dim=128, scale_embedding=True,
+                            max_position_embeddings=128), (3, 60)),
     # Mixtral: top-2 of 4 experts through the fused MoE layer
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), (3, 60)),
     # Qwen2-MoE: 4 experts, top 2 unnormalised, a shared expert with a sigmoid gate, a dense layer

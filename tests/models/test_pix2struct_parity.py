@@ -3,6 +3,7 @@ engine vs transformers' Pix2StructForConditionalGeneration on the same random we
 image processor output: greedy tokens equal, logprobs close, for a batch of charts of different
 aspect ratios (different patch grids, so different encoder lengths) and headers, and the pool whole."""
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.models.pix2struct import DEPLOT_PROMPT
@@ -36,6 +37,8 @@ def test_deplot_charts_match_transformers(deplot_dir):
     assert len(lengths) >= 3  # different patch grids: ragged encoder lengths in one batch
     assert spread > 1e-2
     assert llm.engine.kv_manager.pool.is_whole()
+    table = llm.engine.runner.model.self_attn[0].pos_bias  # as the Triton kernels read it
+    assert table.dtype == torch.float32 and table.is_contiguous()
 
 
 def test_token_id_prompt_marks_the_image_with_the_placeholder(deplot_dir):

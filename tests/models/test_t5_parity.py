@@ -52,6 +52,9 @@ def test_t5_mixed_encoder_lengths_match_transformers(t5_dir, tokenizer):
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert_like_hf(hf, prompts, outs, NEW_TOKENS)
     assert llm.engine.kv_manager.pool.is_whole()
+    # The bias table as the Triton kernels read it: fp32 [heads, distances], rows contiguous.
+    table = llm.engine.runner.model.self_attn[0].pos_bias
+    assert table.dtype == torch.float32 and table.is_contiguous()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -105,3 +108,25 @@ def test_t5_encoder_takes_input_embeddings(t5_dir):
     got = model.encode_embeds(embeds)
     want = torch.cat([hf.encoder(inputs_embeds=e[None]).last_hidden_state[0] for e in embeds])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_t5_decode_graph_path_matches_transformers(t5_dir, tokenizer):
+    """The decode-graph path with the cross-attention op inside, run without graphs on CPU: the
+    backend's static self- and cross-attention buffers (encoder length 0 in padding rows), their
+    refill before each "replay", steps padded up to the graph sizes; encoders run eagerly before."""
+    from splitserve.worker.cuda_graphs import DecodeGraphs
+    path, hf = t5_dir
+    prompts = _prompts(len(tokenizer), (3, 40), 5, seed=3)
+    llm = LLM(path, num_blocks=128, block_size=8, max_num_batched_tokens=96, max_num_seqs=5)
+    runner = llm.engine.runner
+    m = runner.config.model
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, [2, 4, 8], runner.max_blocks_per_seq,
+                                 m.max_model_len, runner.kv_layout()[1], runner.device, use_graphs=False,
+                                 cross_blocks=runner.encdec.cross_table.shape[1], block_size=runner.block_size)
+    calls = []
+    run_graph = runner.graphs.run
+    runner.graphs.run = lambda num_seqs, *a: calls.append(num_seqs) or run_graph(num_seqs, *a)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert_like_hf(hf, prompts, outs, NEW_TOKENS)
+    assert {3, 5} & set(calls) and runner.steps_by_path["decode_graph"] == len(calls)  # padded rows replayed
+    assert llm.engine.kv_manager.pool.is_whole()

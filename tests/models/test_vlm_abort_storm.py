@@ -1,7 +1,7 @@
 """Abort storm on a vision-language model (issue 7): text-only, one- and two-image requests under a
 tight KV pool (preemption), a small step budget (image placeholder runs split across prefill chunks)
 and a small encoder cache (evictions, re-encoding), a seeded random subset aborted at random moments
-(waiting, mid-prefill, mid-image, decoding). Survivors get exactly their unconstrained greedy tokens;
+(waiting, mid-prefill, mid-image, decoding), some waiting ones with their images encoded ahead. Survivors get exactly their unconstrained greedy tokens;
 afterwards the block pool and the encoder cache are whole and no request is left anywhere."""
 import random
 
@@ -115,6 +115,7 @@ def test_vlm_abort_storm_under_preemption(model_dir, workload, async_scheduling)
     assert {"waiting", "prefill", "mid-image", "decode"} <= where, where
     assert mm.cache.hits > 0 and max_cache_pinned > 0
     assert mm.num_images_encoded > 6
+    assert mm.num_images_prefetched > 0  # images of waiting requests were encoded ahead of admission
 
     for i, rid in enumerate(ids):
         if rid in aborted:
@@ -128,5 +129,6 @@ def test_vlm_abort_storm_under_preemption(model_dir, workload, async_scheduling)
     assert engine.kv_manager.pool.is_whole()
     assert mm.cache.num_pinned() == 0 and mm.cache.is_whole()
     assert mm.cache.num_tokens <= ENCODER_TOKENS
+    assert not mm.pending and not mm.announced  # nothing announced is left waiting or reserved
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.states and not engine.front.output_processor.children and engine.core._inflight is None

@@ -96,6 +96,42 @@ def test_encoder_cache_is_lru_bounded_and_keeps_what_running_requests_need():
     assert cache.num_pinned() == 0 and cache.is_whole()
 
 
+def test_encoder_cache_keeps_reserved_entries_until_pinned_or_released():
+    # Features encoded ahead of admission are reserved: counted against the room, never evicted,
+    # until their request pins them (admitted) or the reservation goes (it ended while waiting).
+    cache = EncoderCache(capacity_tokens=8)
+    cache.put("a", torch.zeros(4, 2), reserve=True)
+    assert cache.room() == 4
+    cache.put("b", torch.zeros(4, 2))
+    cache.put("c", torch.zeros(4, 2))     # over the bound: b goes, a is reserved
+    assert "a" in cache and "b" not in cache and cache.room() == 4
+    assert not cache.is_whole()           # a reservation is outstanding
+    user = _request("r", computed=0)
+    cache.pin("a", user, end=4)           # admitted: the pin takes over from the reservation
+    user.num_computed_tokens = 4
+    cache.put("d", torch.zeros(4, 2), reserve=True)
+    cache.unreserve("d")                  # its request was aborted while waiting
+    assert cache.room() == 8 and cache.is_whole()
+
+
+def test_images_of_waiting_requests_are_encoded_ahead(setup):
+    """Two sequences at a time for six image requests: the images of waiting requests are encoded
+    before their admission (in batches, on CPU synchronously), their steps find them in the cache,
+    the outputs match transformers and nothing stays reserved."""
+    _, hf, processor = setup
+    llm = LLM(hf.config._name_or_path, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=512, max_num_seqs=2)
+    mm = llm.engine.runner.mm
+    texts = [f"Picture {i}: <image> what is it?" for i in range(6)]
+    imgs = [random_image(40 + i, (50 + 7 * i, 60)) for i in range(6)]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": [i]}} for t, i in zip(texts, imgs)],
+                        PARAMS, use_tqdm=False)
+    assert mm.num_images_prefetched == 4 and mm.num_images_encoded == 6  # all but the first two admitted
+    for out, text, img in zip(outs, texts, imgs):
+        assert out.outputs[0].token_ids == reference(hf, processor, text, img)
+    assert not mm.pending and not mm.announced and mm.cache.is_whole()
+    assert llm.engine.kv_manager.pool.is_whole()
+
+
 def test_encoder_cache_never_evicts_a_needed_image_in_chunked_prefill(setup):
     """A one-token cache and a 24-token step budget: every image run spans steps and overflows the
     cache, yet each image is encoded once per request and the outputs match transformers."""
@@ -139,3 +175,21 @@ def test_offline_chat_takes_pil_images_paths_and_data_urls(setup, tmp_path):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
                  PARAMS, use_tqdm=False)
     assert llm.engine.kv_manager.pool.is_whole() and llm.engine.runner.mm.cache.is_whole()
+
+
+def test_placeholder_id_without_an_image_and_a_video_are_refused(setup):
+    """A token-id prompt holding LLaVA's image token but no image would read that token's own
+    embedding where features belong: refused, as is a video for a model that takes none."""
+    llm, _, _ = setup
+    tok = llm.tokenizer
+    ph = llm.engine.mm_processor.placeholder_id
+    with pytest.raises(ValueError, match="no image or video was given"):
+        llm.generate({"prompt_token_ids": tok.encode("Look at", add_special_tokens=False) + [ph]}, PARAMS, use_tqdm=False)
+    with pytest.raises(ValueError, match="does not accept videos"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"video": b"\x00" * 16}}, PARAMS, use_tqdm=False)
+    with pytest.raises(ValueError, match="does not accept videos"):
+        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}],
+                 PARAMS, use_tqdm=False)
+    ok = llm.generate({"prompt_token_ids": tok.encode("Look at", add_special_tokens=False)}, PARAMS, use_tqdm=False)[0]
+    assert len(ok.outputs[0].token_ids) == PARAMS.max_tokens
+    assert llm.engine.kv_manager.pool.is_whole()

@@ -1,4 +1,4 @@
-"""The benchmark configs of BLIP-2 OPT-2.7B and Fuyu-8B: the real-size config builds a model of
+"""The benchmark configs of BLIP-2 OPT-2.7B, BLIP-2 Flan-T5-XL and Fuyu-8B: the real-size config builds a model of
 transformers' parameter count (both on the meta device), and the tiny one (config.json merged with
 tiny_overrides.json) serves a token-id prompt where `mm_processor.placeholder_id` marks one image,
 the contract benchmarks/vlm_bench.py uses."""
@@ -14,7 +14,9 @@ from splitserve import LLM, SamplingParams
 from tests.multimodal_reference import random_image
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
-MODELS = {"blip2-opt-2.7b": "Blip2ForConditionalGeneration", "fuyu-8b": "FuyuForCausalLM"}
+MODELS = {"blip2-opt-2.7b": "Blip2ForConditionalGeneration", "fuyu-8b": "FuyuForCausalLM",
+          "blip2-flan-t5-xl": "Blip2ForConditionalGeneration"}
+DECODER_ONLY = ["blip2-opt-2.7b", "fuyu-8b"]  # (BLIP-2 T5's tiny serving: tests/models/test_blip2_t5.py)
 
 
 def merged(a: dict, b: dict) -> dict:
@@ -50,13 +52,13 @@ def test_real_size_parameter_count_matches_transformers(name):
     with torch.device("meta"):
         ref = getattr(transformers, MODELS[name])(config)
     expose_text_config(config)
-    _, cls = get_model_class(config.architectures)
+    _, cls = get_model_class(config.architectures, config)
     with torch.device("meta"):
         ours = cls(config)
     assert count(ours) == count(ref)
 
 
-@pytest.mark.parametrize("name", [n for n in MODELS if os.path.isdir(os.path.join(CONFIGS, n))])
+@pytest.mark.parametrize("name", DECODER_ONLY)
 def test_tiny_config_serves_a_token_id_prompt_with_one_image(name, tmp_path):
     llm = LLM(tiny_dir(name, tmp_path / name), random_weights=True, num_blocks=256, block_size=16)
     mm = llm.engine.mm_processor

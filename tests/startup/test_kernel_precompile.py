@@ -97,3 +97,66 @@ def test_padded_head_dim_kernels_compile_for_sm90(tmp_path):
     assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", None, variants, 96)
     seen = eval(_run(tmp_path, "real", "bfloat16", None, variants, 96).split("RESULT", 1)[1])
     assert seen and all(hit for _, hit in seen), seen
+
+
+T5_SCRIPT = r"""
+import sys, torch
+from triton import knobs
+from splitserve.startup import kernel_precompile as kp
+from splitserve.attention.triton_backend import TritonBackend
+# A T5-shaped decoder (8 heads of 64, no rotary): self-attention with a position bias, cross-attention
+# over encoder inputs of up to 512 positions; decode graphs of 2, 4 and 64 sequences.
+spec = kp.AttentionKernelSpec("triton", 8, 8, 64, torch.bfloat16, 16, 512, 4096, (2, 4, 64), 132, 90, 0,
+                              pos_bias=True, cross_max_enc_len=512)
+if sys.argv[1] == "children":
+    pre = kp.AttentionPrecompile(spec, num_workers=2)
+    for p in pre.procs:
+        p.join()
+    print("exit codes", [p.exitcode for p in pre.procs])
+else:
+    # The engine's own launches, as its decode graphs make them: the backend's graph hooks, a bias
+    # table of the model's length, the cross state's bound.
+    seen = []
+    knobs.compilation.listener = lambda src, metadata, metadata_group, times, cache_hit: seen.append(
+        (src.fn.__name__, src.constants, cache_hit))
+    kp.compile_only_mode(spec.capability)
+    backend, dev = TritonBackend(), torch.device("cpu")
+    cache = torch.empty(64, 2, 16, 8, 64, dtype=torch.bfloat16)
+    state = backend.decode_graph_state(64, 4096 // 16, 4096, 8, dev)
+    cross = backend.cross_graph_state(64, 512 // 16, 16, dev)
+    bias = torch.empty(8, 2049, dtype=torch.float32)
+    for bs in (2, 4, 64):
+        q = torch.empty(bs, 8, 64, dtype=torch.bfloat16)
+        backend.attend(q, cache, backend.capture_metadata(state, bs), 0.125, pos_bias=bias)
+        backend.cross_forward(q, cache, backend.capture_cross_metadata(cross, bs), 0.125)
+    print("RESULT", [(name, hit) for name, constants, hit in seen if name != "_decode_reduce_kernel"])
+"""
+
+
+def test_t5_bias_and_cross_attention_are_precompiled(tmp_path):
+    """A T5-style decoder's decode-graph launches (self-attention with the bias table, cross-attention
+    at the cross state's bound) hit what the children compiled from the spec."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    outs = []
+    for phase in ("children", "real"):
+        proc = subprocess.run([sys.executable, "-c", T5_SCRIPT, phase], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout)
+    assert "exit codes [0, 0]" in outs[0]
+    seen = eval(outs[1].split("RESULT", 1)[1])
+    # compiled once each (later launches of a variant are in-process hits the listener does not see):
+    # with the bias and without (cross), each with splits (2 sequences) and without (64)
+    assert sum(name == "_decode_split_kernel" for name, _ in seen) == 4, seen
+    assert all(hit for _, hit in seen), seen
+
+
+def test_t5_decoder_attention_shape():
+    from transformers import LlamaConfig, Pix2StructConfig, T5Config
+
+    from splitserve.startup.kernel_precompile import t5_decoder_attention
+    assert t5_decoder_attention(T5Config(num_heads=12, d_kv=64)) == (12, 12, 64)
+    assert t5_decoder_attention(Pix2StructConfig().text_config) == (12, 12, 64)
+    assert t5_decoder_attention(LlamaConfig()) is None

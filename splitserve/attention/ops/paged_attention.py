@@ -23,6 +23,13 @@ function of the natural-domain logits. Head dims that are not a power of two (80
 tiles padded to the next power of two: the padding columns are masked on load (zeros), so they add
 nothing to q . k or to the output, and are never stored; the cache itself is never padded.
 
+A relative position bias (T5: pos_bias [Hq, max_len] fp32, the entry of distance
+clamp(p - n, 0, max_len - 1) added to the scaled logit of a query at p and a key at n) is gathered
+per tile from the table (a few KB, cache-resident) and added in the log2 domain; USE_BIAS is a
+constexpr, so a launch without one compiles to the same code as before the bias existed. The ragged
+kernel's CAUSAL=False (cross-attention, ops/cross_attention.py) lets every query of a sequence see
+all its seq_len keys.
+
 Both use an online softmax in the log2 domain (exp2 is cheaper than exp; scale * log2(e) is folded
 into the logits) with fp32 accumulation.
 
@@ -73,6 +80,23 @@ def _window_args(sliding_window: int | None, soft_cap: float | None) -> dict:
                 USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None)
 
 
+def _bias_args(pos_bias: torch.Tensor | None, num_heads: int, soft_cap: float | None,
+               stand_in: torch.Tensor) -> dict:
+    """The kernels' position-bias arguments. Without a bias, `stand_in` (a tensor the launch passes
+    anyway) fills the pointer and USE_BIAS=False compiles the bias out: the kernel's signature and
+    code are those of a launch without one."""
+    if pos_bias is None:
+        return dict(bias_ptr=stand_in, bias_max=0, stride_bias=0, USE_BIAS=False)
+    if soft_cap is not None:
+        raise ValueError("a relative position bias together with a logit soft cap is not supported")
+    if pos_bias.dim() != 2 or pos_bias.shape[0] != num_heads or pos_bias.shape[1] < 1:
+        raise ValueError(f"pos_bias must be [num_heads={num_heads}, max_len >= 1], got {tuple(pos_bias.shape)}")
+    if pos_bias.dtype != torch.float32 or pos_bias.stride(1) != 1:
+        raise ValueError(f"pos_bias must be fp32 with contiguous rows, got {pos_bias.dtype}, strides "
+                         f"{pos_bias.stride()}")
+    return dict(bias_ptr=pos_bias, bias_max=pos_bias.shape[1] - 1, stride_bias=pos_bias.stride(0), USE_BIAS=True)
+
+
 @triton.jit
 def _tanh(x):
     # tanh via exp2, exact enough in fp32 and saturating cleanly: exp2 -> inf gives 1, -> 0 gives -1.
@@ -87,13 +111,15 @@ def _tanh(x):
 def _ragged_tile(
     acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, kv_lo, kv_end, q_pos,
     stride_cb, stride_ckv, stride_cs, BLOCK_SIZE: tl.constexpr, qk_scale, window, soft_cap,
-    offs_n, offs_d, d_ok, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, PAD_D: tl.constexpr,
+    offs_n, offs_d, d_ok, bias_rows, bias_max, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, PAD_D: tl.constexpr, USE_BIAS: tl.constexpr,
 ):
     """One BLOCK_N tile of context positions: gather K/V through the block table, update softmax.
     MASKED tiles may hold positions past kv_end, after a row's own position or before its window.
     Positions outside [kv_lo, kv_end) are not loaded at all, not even their block-table entries: a
-    block wholly before kv_lo (the first row's window) may have been freed (stale table entry)."""
+    block wholly before kv_lo (the first row's window) may have been freed (stale table entry).
+    USE_BIAS: bias_rows [rows] points at each row's head's row of the position-bias table, whose
+    last entry is bias_max; the entry of distance clamp(q_pos - n, 0, bias_max) joins the logit."""
     offs = n_start + offs_n
     if MASKED:
         n_ok = offs < kv_end
@@ -123,6 +149,14 @@ def _ragged_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if USE_SOFT_CAP:
         s = soft_cap * _tanh(s / soft_cap)
+    if USE_BIAS:
+        # The table is in the natural domain, added to the scaled logit: times log2(e) here. Every
+        # distance is clamped into the table, so masked positions load a valid entry (then -inf).
+        # (A literal, not a global constexpr: Triton 3.6 leaves a callee's globals out of its
+        # caller's cache key when the caller's key is computed first, so the decode kernel's key
+        # would depend on which kernel a process compiled first, and precompiled kernels would miss.)
+        dist = tl.minimum(tl.maximum(q_pos[:, None] - offs[None, :], 0), bias_max)
+        s += tl.load(bias_rows[:, None] + dist) * 1.4426950408889634
     if MASKED:
         # Causal and bounds in one: position n is visible to a row iff n <= its own position; the
         # bound n < kv_end matters only for rows past the sequence's last query token.
@@ -139,17 +173,19 @@ def _ragged_tile(
 
 
 # Triton specializes integer arguments on divisibility by 16; these change from step to step (batch
-# size, block-table width), so specializing them would recompile the kernel mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# size, block-table width), so specializing them would recompile the kernel mid-serving. The bias
+# table's length is the model's: unspecialized, so the precompile need not know it.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "bias_max", "stride_bias"])
 def _ragged_paged_attn_kernel(
-    q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-    num_seqs, qk_scale, window, soft_cap,
+    q_ptr, o_ptr, cache_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, bias_ptr,
+    num_seqs, qk_scale, window, soft_cap, bias_max,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt, stride_bias,
     BLOCK_SIZE: tl.constexpr,  # KV block size: constexpr so position -> (block, offset) is shift/mask
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_BIAS: tl.constexpr = False, CAUSAL: tl.constexpr = True,
 ):
     PAD_D: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -178,6 +214,8 @@ def _ragged_paged_attn_kernel(
         return  # spare program (grid is an upper bound) or empty sequence
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_start = seq_len - q_len  # context position of the sequence's first query token
+    if not CAUSAL:
+        ctx_start = 0  # (cross-attention: every query sees all seq_len keys, whatever q_len is)
 
     # Tile row r = (token r // GROUP_PAD of this block, query head r % GROUP_PAD of this KV head).
     offs_m = tl.arange(0, BLOCK_M)
@@ -185,6 +223,8 @@ def _ragged_paged_attn_kernel(
     head = kv_h * GROUP + offs_m % GROUP_PAD
     row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
     q_pos = ctx_start + tok
+    if not CAUSAL:
+        q_pos = tok * 0 + (seq_len - 1)  # the causal test n <= q_pos becomes the bound n < seq_len
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
@@ -198,6 +238,7 @@ def _ragged_paged_attn_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_h_off = kv_h * stride_ch
+    bias_rows = bias_ptr + tl.where(row_ok, head, 0) * stride_bias  # read only with USE_BIAS
 
     # Positions <= the block's first query position are visible to every row (causally): whole
     # tiles there skip all masking. With a window, tiles wholly before the first row's window are
@@ -206,6 +247,9 @@ def _ragged_paged_attn_kernel(
     first_pos = ctx_start + q_block * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the block's last query position
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    if not CAUSAL:  # no diagonal: whole tiles up to seq_len unmasked, the last one masked
+        kv_end = seq_len
+        full_end = (seq_len // BLOCK_N) * BLOCK_N
     # (all operands kept >= 0: integer division of negatives differs between Triton and Python)
     lo_pos = tl.maximum(first_pos - window + 1, 0)  # the first row's first visible key
     lo = (lo_pos // BLOCK_N) * BLOCK_N
@@ -213,15 +257,18 @@ def _ragged_paged_attn_kernel(
     for n_start in range(lo, tl.minimum(full_lo, kv_end), BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, True, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, PAD_D)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, USE_WINDOW,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
     for n_start in range(full_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, False, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, PAD_D)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, False, DOT_PRECISION, USE_WINDOW,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
     for n_start in range(tl.maximum(full_end, full_lo), kv_end, BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, lo_pos, kv_end,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, True, DOT_PRECISION, USE_WINDOW, USE_SOFT_CAP, PAD_D)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, USE_WINDOW,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only padded rows can have l == 0; they are not stored
     out = acc / l_i[:, None]
@@ -268,7 +315,8 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                            max_seq_len: int, scale: float, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           pos_bias: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged cache for a ragged mixed batch; returns [T, Hq, D].
 
     query_start_loc [B+1] int32, seq_lens [B] int32, block_tables [B, max_blocks] int32 (device).
@@ -277,9 +325,13 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     Rows of q not owned by any sequence (index >= query_start_loc[B], e.g. graph padding) are left
     unwritten in out. An FP8 cache is read with k_scale / v_scale (one-element fp32; None: 1.0).
     sliding_window / soft_cap: the layer's window and logit cap (module docstring); None: none.
+    pos_bias: [Hq, max_len] fp32 relative position bias (module docstring); None: none.
+    causal=False: cross-attention, every query of sequence i over all seq_lens[i] keys (no window).
     """
     num_tokens, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
     num_seqs = seq_lens.shape[0]
+    if not causal and sliding_window is not None:
+        raise ValueError("non-causal attention with a sliding window is not supported")
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -294,10 +346,11 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     fp8, k_scale, v_scale = fp8_scales(kv_cache, k_scale, v_scale)
     _ragged_paged_attn_kernel[grid](
         q, out, kv_cache, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
-        num_seqs, scale * _LOG2E, **_window_args(sliding_window, soft_cap),
+        num_seqs=num_seqs, qk_scale=scale * _LOG2E, **_window_args(sliding_window, soft_cap),
+        **_bias_args(pos_bias, num_heads, soft_cap, kv_cache),
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
-        stride_ch=kv_cache.stride(3), stride_bt=block_tables.stride(0),
+        stride_ch=kv_cache.stride(3), stride_bt=block_tables.stride(0), CAUSAL=causal,
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8,
@@ -310,16 +363,16 @@ def ragged_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
 # Split-K decode kernels
 # --------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "bias_max", "stride_bias"])
 def _decode_split_kernel(
-    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, window, soft_cap,
+    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, cache_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, bias_ptr,
+    qk_scale, window, soft_cap, bias_max,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt, stride_bias,
     num_heads, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_BIAS: tl.constexpr = False,
 ):
     PAD_D: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
     NUM_SPLITS = tl.num_programs(2)
@@ -355,10 +408,12 @@ def _decode_split_kernel(
     # The only query token sits at position seq_len - 1, so the causal mask is no mask, and the slices
     # start inside the window: the bound n < n_hi is all that cuts a tile (USE_WINDOW=False).
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)
+    bias_rows = bias_ptr + tl.where(h_ok, head, 0) * stride_bias  # read only with USE_BIAS
     for n_start in range(n_lo, n_hi, BLOCK_N):
         acc, m_i, l_i = _ragged_tile(acc, m_i, l_i, q, cache_ptr, bt_row_ptr, kv_h_off, n_start, n_lo, n_hi,
                                      q_pos, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, qk_scale, window, soft_cap,
-                                     offs_n, offs_d, d_ok, True, DOT_PRECISION, False, USE_SOFT_CAP, PAD_D)
+                                     offs_n, offs_d, d_ok, bias_rows, bias_max, True, DOT_PRECISION, False,
+                                     USE_SOFT_CAP, PAD_D, USE_BIAS)
 
     empty = l_i == 0.0  # split past the end of this sequence (or seq_len == 0: a padding slot)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -441,13 +496,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
                            block_tables: torch.Tensor, max_seq_len: int, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           pos_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: q [B, Hq, D] (row b belongs to sequence b,
     the token at position seq_lens[b] - 1); returns [B, Hq, D]. Split-K over the context with
     num_splits slices (default from default_num_splits; pass a fixed value for CUDA-graph capture).
     Sequences with seq_len == 0 (padding) produce zeros. An FP8 cache is read with k_scale / v_scale
     (one-element fp32; None: 1.0). sliding_window / soft_cap: the layer's window and logit cap (module
-    docstring); the splits then divide only the window, and None is no window / no cap.
+    docstring); the splits then divide only the window, and None is no window / no cap. pos_bias:
+    [Hq, max_len] fp32 relative position bias (module docstring). With seq_lens holding encoder
+    lengths this is also cross-attention's decode step: the one query sees all seq_lens[b] keys.
     """
     num_seqs, num_heads, num_kv_heads, head_dim = _check_common(q, kv_cache)
     assert seq_lens.shape[0] == num_seqs, (seq_lens.shape, q.shape)
@@ -474,7 +532,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     fp8, k_scale, v_scale = fp8_scales(kv_cache, k_scale, v_scale)
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, out, part_o, part_lse, kv_cache, seq_lens, block_tables, k_scale, v_scale,
-        scale * _LOG2E, **_window_args(sliding_window, soft_cap),
+        qk_scale=scale * _LOG2E, **_window_args(sliding_window, soft_cap),
+        **_bias_args(pos_bias, num_heads, soft_cap, kv_cache),
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1), stride_cs=kv_cache.stride(2),
         stride_ch=kv_cache.stride(3), stride_bt=block_tables.stride(0),

@@ -375,9 +375,11 @@ class Grounding(BaseModel):
 
 
 def _drop_null_grounding(handler, obj):
+    """Model-specific fields (Kosmos-2's grounding, Nougat's markdown) appear only where set."""
     out = handler(obj)
-    if out.get("grounding", 0) is None:
-        out.pop("grounding")
+    for name in ("grounding", "markdown"):
+        if out.get(name, 0) is None:
+            out.pop(name)
     return out
 
 
@@ -389,6 +391,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     grounding: Grounding | None = None
+    markdown: str | None = None  # Nougat: the text after transformers' markdown post-processing
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
@@ -472,6 +475,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     grounding: Grounding | None = None
+    markdown: str | None = None  # Nougat: the text after transformers' markdown post-processing
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -32,7 +32,7 @@ from splitserve.entrypoints.openai.serving_logprobs import (chat_logprobs, compl
 from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_messages_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
-from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES
+from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES, VIDEO_MARKER, VIDEO_PART_TYPES
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -174,6 +174,11 @@ class OpenAIServing:
                             raise APIError(400, f"model `{self.model_name}` does not accept images",
                                            param=f"messages[{i}].content")
                         texts.append(IMAGE_MARKER)  # expanded to the image's tokens by the mm processor
+                    elif part.type in VIDEO_PART_TYPES:
+                        if getattr(self.mm_processor, "video_marker_id", None) is None:
+                            raise APIError(400, f"model `{self.model_name}` does not accept videos",
+                                           param=f"messages[{i}].content")
+                        texts.append(VIDEO_MARKER)
                     else:
                         raise APIError(400, f"unsupported content part type {part.type!r}",
                                        param=f"messages[{i}].content")
@@ -346,8 +351,15 @@ class OpenAIServing:
         return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
     @staticmethod
-    def _usage(finals: list[RequestOutput]) -> UsageInfo:
-        prompt = sum(len(f.prompt_token_ids) for f in finals)
+    def _prompt_tokens(out: RequestOutput) -> int:
+        """The prompt's tokens as usage counts them: with an encoder-decoder model, the encoder's
+        input positions (text tokens, image patches or encoder positions) and the decoder's prompt
+        (its start token), as vLLM counts a Whisper request's encoder prompt."""
+        return len(out.prompt_token_ids) + out.num_encoder_tokens
+
+    @classmethod
+    def _usage(cls, finals: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(cls._prompt_tokens(f) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -403,7 +415,7 @@ class OpenAIServing:
                                                 finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                                 prompt_logprobs=prompt_logprobs_out(self.token_text,
                                                                                     final.prompt_logprobs),
-                                                grounding=o.grounding))
+                                                grounding=o.grounding, markdown=o.markdown))
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals))
         return json_response(body)
 
@@ -448,6 +460,7 @@ class OpenAIServing:
                 for c in echo_chunks(i, None):
                     yield c
         async for i, out in self._merge(streams):
+            prompt_lens[i] = self._prompt_tokens(out)  # (an encoder-decoder request's encoder input too)
             if i in pending_echo:
                 for c in echo_chunks(i, out):
                     yield c
@@ -506,7 +519,8 @@ class OpenAIServing:
             lp = chat_logprobs(self.token_text, o.token_ids, o.logprobs or [], top_k) if req.logprobs else None
             message, finish = tools_io.message_out(plan, self.tool_parser, o.text, o.finish_reason)
             choices.append(ChatChoice(index=o.index, message=message, logprobs=lp,
-                                      finish_reason=finish, stop_reason=o.stop_reason, grounding=o.grounding))
+                                      finish_reason=finish, stop_reason=o.stop_reason, grounding=o.grounding,
+                                      markdown=o.markdown))
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage([final]),
                                       prompt_logprobs=prompt_logprobs_out(self.token_text, final.prompt_logprobs))
@@ -537,6 +551,7 @@ class OpenAIServing:
         tool_streams = {j: tools_io.ToolDeltas(plan, self.tool_parser) for j in range(params.n)} \
             if tools_io.reads_calls(plan, self.tool_parser) else {}
         async for _, out in self._merge([stream]):
+            prompt_len = self._prompt_tokens(out)  # (an encoder-decoder request's encoder input too)
             if out.finished:
                 final = out
             for o in out.outputs:

@@ -7,11 +7,14 @@ import asyncio
 from splitserve.entrypoints.openai.protocol import APIError
 from splitserve.multimodal.inputs import MultiModalPrompt
 from splitserve.multimodal.media import MediaError, MediaPolicy, load_image, load_image_async
-from splitserve.multimodal.processor import IMAGE_PART_TYPES, MultiModalProcessor, image_part_source
+from splitserve.multimodal.processor import (IMAGE_PART_TYPES, VIDEO_PART_TYPES, MultiModalProcessor,
+                                             image_part_source, video_part_source)
+from splitserve.multimodal.video import VideoRef
 
 
 def chat_image_sources(messages) -> list:
-    """The image sources of a chat request's messages, in order (pydantic ChatMessage objects)."""
+    """The image (and video: VideoRef) sources of a chat request's messages, in order (pydantic
+    ChatMessage objects)."""
     sources = []
     for i, m in enumerate(messages):
         if not isinstance(m.content, list):
@@ -22,10 +25,19 @@ def chat_image_sources(messages) -> list:
                     sources.append(image_part_source(part.model_dump()))
                 except MediaError as e:
                     raise APIError(400, str(e), param=f"messages[{i}].content") from None
+            elif part.type in VIDEO_PART_TYPES:
+                try:
+                    sources.append(VideoRef(video_part_source(part.model_dump())))
+                except MediaError as e:
+                    raise APIError(400, str(e), param=f"messages[{i}].content") from None
     return sources
 
 
-async def _load(source, policy: MediaPolicy):
+async def _load(source, policy: MediaPolicy, mm=None):
+    if isinstance(source, VideoRef):  # decoding is CPU work
+        if getattr(mm, "video_marker_id", None) is None:
+            raise MediaError("this model does not accept videos")
+        return await asyncio.to_thread(mm.load_media, source, policy)
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         return await load_image_async(source, policy)
     return await asyncio.to_thread(load_image, source, policy)  # decoding is CPU work
@@ -35,9 +47,9 @@ async def build_chat_prompt(mm: MultiModalProcessor, policy: MediaPolicy, text: 
                             sources: list) -> MultiModalPrompt:
     try:
         mm.check_count(len(sources), policy)
-        images = [await _load(s, policy) for s in sources]
+        images = [await _load(s, policy, mm) for s in sources]
         # Preprocessing is CPU work, and so is tokenizing the rendered text, which can be megabytes.
-        return await asyncio.to_thread(lambda: mm.chat_prompt_from_text(text, [mm.process_image(img) for img in images]))
+        return await asyncio.to_thread(lambda: mm.chat_prompt_from_text(text, [mm.process_media(img) for img in images]))
     except MediaError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -47,7 +59,7 @@ async def build_messages_prompt(mm, policy: MediaPolicy, messages: list[dict], s
     encoder-decoder models such as Pix2Struct, whose text is not a chat-templated decoder prompt)."""
     try:
         mm.check_count(len(sources), policy)
-        images = [await _load(s, policy) for s in sources]
+        images = [await _load(s, policy, mm) for s in sources]
         return await asyncio.to_thread(lambda: mm.chat_prompt_from_messages(messages, [mm.process_image(img) for img in images]))
     except MediaError as e:
         raise APIError(400, str(e), param="messages") from None

@@ -1,0 +1,451 @@
+"""NeVA and Video NeVA (NVIDIA NeMo): a CLIP ViT + MLP projector in front of an NVGPT / Nemotron
+decoder, read from a `.nemo` archive (models/nemo_archive.py unpacks it).
+
+- Decoder: the engine's `nemotron` family (LayerNorm1P, squared-ReLU up/down MLP, partial rotary),
+  configured from NeMo's model_config.yaml. NeMo's fused `query_key_value` is laid out per query
+  group: [the group's query heads, its key head, its value head] (Megatron's GQA layout); it is cut
+  into q, k and v here.
+- Vision: the HF CLIP named by `mm_cfg.vision_encoder.from_pretrained` (a local directory, absolute or
+  relative to the .nemo file, or a cached hub repo; tower weights inside the checkpoint take
+  precedence), features of `vision_select_layer` (-2) without the class token, then
+  `mm_mlp_adapter_type` mlp2x_gelu (linear, GELU, linear) or linear.
+- An image is `image_token_len` = (size / patch)^2 placeholder tokens, all replaced by its features
+  (NeMo's run without im_start/im_end: the start and end slots carry features too, as in
+  TensorRT-LLM's NeVA). A video is `num_frames` frames, each through the same tower and projector,
+  their runs back to back in frame order (Video NeVA).
+- Prompts: `<image>` / `<video>` in text; chat through the conversation template the config names
+  (`data.conv_template`): nvgpt, nv_steerlm, v1 / vicuna_v1 / llava_v1, plain.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+from splitserve.layers.linear import Linear
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
+from splitserve.layers.vision import MlpProjector, VisionTower
+from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.nemo_archive import copy_hf_files, iter_merged
+from splitserve.multimodal.processor import to_device_pixels
+
+logger = logging.getLogger(__name__)
+
+PATCH_TOKEN = "<extra_id_3>"  # NeMo's image patch token for NVGPT tokenizers: the placeholder
+VIDEO_TOKEN_INDEX = -201      # marks a video in token-id prompts (as -200 marks a VILA image)
+DEFAULT_NUM_FRAMES = 8
+
+_NVGPT_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                 "helpful, detailed, and polite answers to the user's questions.")
+_STEERLM_LABELS = ("<extra_id_2>quality:4,toxicity:0,humor:0,creativity:0,helpfulness:4,correctness:4,"
+                   "coherence:4,complexity:4,verbosity:4\n")
+
+
+def _nvgpt_template(after_assistant: str = "") -> str:
+    # NeMo's SeparatorStyle.NVGPT: "<extra_id_0>System\n{system}<extra_id_1>User\n{msg}\n<extra_id_1>Assistant\n"
+    return (
+        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        "{%- set sys = messages[0]['content'] + '\\n\\n' -%}{%- else -%}"
+        "{%- set sys = \"" + _NVGPT_SYSTEM + "\\n\\n\" -%}{%- endif -%}"
+        "{{ '<extra_id_0>System\\n' + sys }}"
+        "{%- for m in messages if m['role'] != 'system' -%}"
+        "{%- if m['role'] == 'user' -%}{{ '<extra_id_1>User\\n' + m['content'] + '\\n' }}"
+        "{%- elif m['role'] == 'assistant' -%}{{ '<extra_id_1>Assistant\\n" + after_assistant.replace("\n", "\\n")
+        + "' + m['content'] + '\\n' }}"
+        "{%- else -%}{{ raise_exception('roles must be system, user or assistant') }}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<extra_id_1>Assistant\\n" + after_assistant.replace("\n", "\\n")
+        + "' }}{%- endif -%}")
+
+
+_VICUNA_TEMPLATE = (  # NeMo's SeparatorStyle.TWO with sep " ", sep2 "<extra_id_7>"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set sys = messages[0]['content'] -%}"
+    "{%- else -%}{%- set sys = \"A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions.\" -%}{%- endif -%}"
+    "{{ sys + ' ' }}"
+    "{%- for m in messages if m['role'] != 'system' -%}"
+    "{%- if m['role'] == 'user' -%}{{ 'USER: ' + m['content'] + ' ' }}"
+    "{%- else -%}{{ 'ASSISTANT: ' + m['content'] + '<extra_id_7>' }}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}")
+
+_PLAIN_TEMPLATE = "{%- for m in messages if m['role'] != 'system' -%}{{ m['content'] + '\\n' }}{%- endfor -%}"
+
+CONV_TEMPLATES = {
+    "nvgpt": _nvgpt_template(),
+    "nv_steerlm": _nvgpt_template(_STEERLM_LABELS),
+    "v1": _VICUNA_TEMPLATE, "vicuna_v1": _VICUNA_TEMPLATE, "llava_v1": _VICUNA_TEMPLATE,
+    "plain": _PLAIN_TEMPLATE,
+}
+
+
+# -- unpacking (called by nemo_archive.unpack) -----------------------------------------------------
+def _resolve_tower_dir(name: str | None, nemo_dir: str) -> str | None:
+    if not name:
+        return None
+    for candidate in (name, os.path.join(nemo_dir, name)):
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            return os.path.abspath(candidate)
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+            return snapshot_download(name, local_files_only=True)
+        except Exception:
+            return None
+    return None
+
+
+def _write_tokenizer(out: str, archive: str, tok_cfg: dict) -> str | None:
+    """The archive's tokenizer as HF files in `out`; None (a warning) where transformers cannot read it."""
+    def member(ref):
+        if not isinstance(ref, str):
+            return None
+        name = os.path.basename(ref[len("nemo:"):] if ref.startswith("nemo:") else ref)
+        for folder, dirs, files in os.walk(archive):
+            if name in files or name in dirs:
+                return os.path.join(folder, name)
+        return None
+    library = (tok_cfg or {}).get("library")
+    if library == "huggingface":
+        where = member(tok_cfg.get("type")) or member(tok_cfg.get("model"))
+        folder = where if where and os.path.isdir(where) else os.path.dirname(where) if where else None
+        if folder is None:  # the tokenizer files anywhere in the archive
+            found = [f for f, _, files in os.walk(archive) if "tokenizer.json" in files or "tokenizer_config.json" in files]
+            folder = found[0] if found else None
+        if folder and copy_hf_files(folder, out, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                                  "tokenizer.model", "vocab.json", "merges.txt")):
+            return "huggingface"
+        return None
+    if library == "sentencepiece":
+        model = member(tok_cfg.get("model"))
+        if model is None:
+            return None
+        import shutil
+        shutil.copy(model, os.path.join(out, "tokenizer.model"))
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+            # NeMo's sentencepiece tokenizer adds neither BOS nor EOS to a prompt, and a leading
+            # space only where the model's normalizer adds its dummy prefix
+            json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+                       "legacy": False, "add_prefix_space": _spm_adds_dummy_prefix(model)}, f)
+        try:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(out).save_pretrained(out)
+        except Exception as e:
+            logger.warning("the .nemo's sentencepiece tokenizer could not be read by transformers (%s: %s); "
+                           "pass --tokenizer DIR", type(e).__name__, e)
+            return None
+        return "sentencepiece"
+    return None
+
+
+def _spm_adds_dummy_prefix(path: str) -> bool:
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+        proto = sentencepiece_model_pb2.ModelProto()
+        with open(path, "rb") as f:
+            proto.ParseFromString(f.read())
+        return bool(proto.normalizer_spec.add_dummy_prefix)
+    except Exception:  # sentencepiece / protobuf missing: the conversion below says so
+        return True
+
+
+def _add_chat_template(out: str, conv: str | None) -> None:
+    path = os.path.join(out, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return
+    template = CONV_TEMPLATES.get(conv or "nvgpt")
+    if template is None:
+        logger.warning("NeVA conv_template %r has no chat template here (supported: %s); chat requests "
+                       "need --chat-template or plain completions", conv, ", ".join(CONV_TEMPLATES))
+        return
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = template
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    for name in ("chat_template.jinja", "chat_template.json"):  # a saved copy would take precedence
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+
+
+def _write_stop_ids(out: str, conv: str | None) -> None:
+    """generation_config.json's eos ids: the tokenizer's EOS and, for the NVGPT templates, the turn
+    separator <extra_id_1> (NeMo stops generation on it)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if (conv or "nvgpt") in ("nvgpt", "nv_steerlm"):
+        sep = tok.convert_tokens_to_ids("<extra_id_1>")
+        if sep is not None and sep != tok.unk_token_id:
+            ids.append(sep)
+    if ids:
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": ids}, f)
+
+
+def write_model_files(out: str, archive: str, nemo_cfg: dict, nemo_dir: str) -> dict:
+    """Tokenizer, image processor and the settings config.json records for load_neva_config."""
+    mm = nemo_cfg.get("mm_cfg") or {}
+    data = nemo_cfg.get("data") or {}
+    enc = mm.get("vision_encoder") or {}
+    tower = _resolve_tower_dir(enc.get("from_pretrained"), nemo_dir)
+    tokenizer = _write_tokenizer(out, archive, nemo_cfg.get("tokenizer") or {})
+    _add_chat_template(out, data.get("conv_template"))
+    if tokenizer is not None:
+        _write_stop_ids(out, data.get("conv_template"))
+    if tower is not None and not copy_hf_files(tower, out, ("preprocessor_config.json",)):
+        from transformers import CLIPImageProcessor, CLIPVisionConfig
+        size = CLIPVisionConfig.from_pretrained(tower).image_size
+        CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(out)
+    return {"vision_tower_dir": tower, "vision_tower_name": enc.get("from_pretrained"), "tokenizer": tokenizer}
+
+
+# -- config -------------------------------------------------------------------------------------------
+_ACTIVATIONS = {"squared-relu": "relu2", "relu": "relu", "gelu": "gelu"}
+
+
+def load_neva_config(directory: str):
+    """A transformers NemotronConfig for the decoder, carrying the vision config and NeVA's settings."""
+    import yaml
+    from transformers import CLIPVisionConfig, NemotronConfig
+    with open(os.path.join(directory, "config.json")) as f:
+        info = json.load(f)
+    cfg_path = next((os.path.join(d, "model_config.yaml") for d, _, files in os.walk(os.path.join(directory, "archive"))
+                     if "model_config.yaml" in files), None)
+    with open(cfg_path) as f:
+        c = yaml.safe_load(f)
+    mm, data = c.get("mm_cfg") or {}, c.get("data") or {}
+
+    def refuse(field, value, why):
+        raise ValueError(f"NeVA model_config.yaml {field}={value!r} is not supported ({why})")
+    act = c.get("activation", "gelu")
+    if act not in _ACTIVATIONS:
+        refuse("activation", act, f"supported: {', '.join(_ACTIVATIONS)}; gated MLPs (swiglu/geglu) are not")
+    norm = c.get("normalization", "layernorm")
+    if norm not in ("layernorm1p", "layernorm"):
+        refuse("normalization", norm, "layernorm1p and layernorm are")
+    if c.get("position_embedding_type", "learned_absolute") != "rope":
+        refuse("position_embedding_type", c.get("position_embedding_type"), "rotary (rope) is")
+    if c.get("transformer_block_type", "pre_ln") != "pre_ln":
+        refuse("transformer_block_type", c.get("transformer_block_type"), "pre_ln is")
+    if c.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
+        refuse("seq_len_interpolation_factor", c.get("seq_len_interpolation_factor"), "no rope scaling")
+    adapter = mm.get("mm_mlp_adapter_type", "linear")
+    if adapter not in ("mlp2x_gelu", "linear"):
+        refuse("mm_cfg.mm_mlp_adapter_type", adapter, "mlp2x_gelu and linear are")
+    if mm.get("use_im_start_end"):
+        refuse("mm_cfg.use_im_start_end", True, "the run without start/end tokens is")
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    bias = bool(c.get("bias", True))
+    config = NemotronConfig(
+        vocab_size=info["vocab_size"], hidden_size=hidden, intermediate_size=c["ffn_hidden_size"],
+        num_hidden_layers=c["num_layers"], num_attention_heads=heads,
+        num_key_value_heads=c.get("num_query_groups") or heads, head_dim=c.get("kv_channels") or hidden // heads,
+        hidden_act=_ACTIVATIONS[act], max_position_embeddings=c.get("max_position_embeddings") or c.get("encoder_seq_length"),
+        norm_eps=c.get("layernorm_epsilon", 1e-5), attention_bias=bias, mlp_bias=bias,
+        tie_word_embeddings=bool(c.get("share_embeddings_and_output_weights", True)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(c.get("rotary_base", 10000.0)),
+                         "partial_rotary_factor": float(c.get("rotary_percentage", 1.0))},
+        bos_token_id=None, eos_token_id=None)
+    config.architectures = ["NevaForCausalLM"]
+    tower = info.get("vision_tower_dir")
+    if tower is None:
+        raise ValueError(f"NeVA's vision tower {info.get('vision_tower_name')!r} (mm_cfg.vision_encoder."
+                         f"from_pretrained) was not found: give a local HF CLIP directory there (absolute, or "
+                         f"relative to the .nemo file) or download it into the Hugging Face cache")
+    vision = CLIPVisionConfig.from_pretrained(tower)
+    if getattr(vision, "vision_config", None) is not None:
+        vision = vision.vision_config
+    config.vision_config = vision
+    enc = mm.get("vision_encoder") or {}
+    config.neva = {
+        "norm": norm, "adapter": adapter, "vision_select_layer": enc.get("vision_select_layer", -2),
+        "class_token_length": enc.get("class_token_length", 1), "vision_tower_dir": tower,
+        "image_aspect_ratio": data.get("image_aspect_ratio", "square"), "weights": info["weights"],
+        "num_frames": data.get("num_frames") or DEFAULT_NUM_FRAMES, "conv_template": data.get("conv_template"),
+    }
+    return config
+
+
+# -- weights ------------------------------------------------------------------------------------------
+def iter_neva_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The .nemo's tensors (tensor-parallel shards merged), then the vision tower's own files where
+    the checkpoint has no tower weights (NeVA freezes and usually omits it)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        info = json.load(f)
+    has_tower = False
+    for name, tensor in iter_merged([os.path.join(directory, w) for w in info["weights"]]):
+        has_tower |= "vision_encoder." in name
+        yield name, tensor
+    if not has_tower:
+        tower = info.get("vision_tower_dir")
+        for name, tensor in _tower_files(tower):
+            yield f"vision_encoder.{name}", tensor
+
+
+def _tower_files(tower: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision half of an HF CLIP directory: a CLIPVisionModel's, or a whole CLIPModel's
+    (openai/clip-vit-large-patch14-336, which NeVA names) without its text side."""
+    from splitserve.models.safetensors_io import iter_safetensors
+    if any(f.endswith(".safetensors") for f in os.listdir(tower)):
+        weights = iter_safetensors(tower)
+    else:
+        path = os.path.join(tower, "pytorch_model.bin")
+        if not os.path.isfile(path):
+            raise ValueError(f"the vision tower directory {tower} has no weights (*.safetensors or "
+                             f"pytorch_model.bin) and the .nemo checkpoint holds none")
+        weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True).items()
+    for name, tensor in weights:
+        if not name.startswith(("text_model.", "text_projection.", "visual_projection.", "logit_scale")):
+            yield name, tensor
+
+
+_LAYER = re.compile(r"^(?:language_model\.encoder|decoder)\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES = {  # NeMo (legacy, then mcore) -> HF Nemotron, within a layer
+    "input_layernorm": "input_layernorm", "self_attention.linear_qkv.layer_norm": "input_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm", "mlp.linear_fc1.layer_norm": "post_attention_layernorm",
+    "self_attention.dense": "self_attn.o_proj", "self_attention.linear_proj": "self_attn.o_proj",
+    "mlp.dense_h_to_4h": "mlp.up_proj", "mlp.linear_fc1": "mlp.up_proj",
+    "mlp.dense_4h_to_h": "mlp.down_proj", "mlp.linear_fc2": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "language_model.embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "language_model.encoder.final_layernorm.weight": "model.norm.weight",
+    "language_model.encoder.final_layernorm.bias": "model.norm.bias",
+    "decoder.final_layernorm.weight": "model.norm.weight", "decoder.final_layernorm.bias": "model.norm.bias",
+    "language_model.output_layer.weight": "lm_head.weight", "output_layer.weight": "lm_head.weight",
+}
+
+
+def split_grouped_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Megatron's fused QKV rows [group][q heads of the group, k, v] -> (q, k, v) rows."""
+    per = heads // groups
+    w = t.reshape(groups, per + 2, head_dim, *t.shape[1:])
+    rest = t.shape[1:]
+    return (w[:, :per].reshape(heads * head_dim, *rest), w[:, per].reshape(groups * head_dim, *rest),
+            w[:, per + 1].reshape(groups * head_dim, *rest))
+
+
+class NevaForCausalLM(VisionLanguageModel):
+    iter_weights = staticmethod(iter_neva_weights)
+    image_token = PATCH_TOKEN
+    image_token_id = None  # the tokenizer's id of PATCH_TOKEN (the processor looks it up)
+    video_token_index = VIDEO_TOKEN_INDEX
+
+    def __init__(self, config, quant_config=None):
+        super().__init__()
+        self.config = config
+        neva = config.neva
+        self.layernorm1p_stored = neva["norm"] == "layernorm1p"
+        self.language_model = build_language_model(config, quant_config, "model", "lm_head")
+        self.vision_tower = VisionTower(config.vision_config, neva["vision_select_layer"], class_token=True)
+        text, vis = config.hidden_size, config.vision_config.hidden_size
+        if neva["adapter"] == "mlp2x_gelu":
+            self.mm_projector = MlpProjector(vis, text, "gelu", True)
+        else:
+            self.mm_projector = Linear(vis, text, bias=True)
+        self.skip_first = int(neva["class_token_length"])
+        self.tokens_per_image = self.vision_tower.num_patches + 1 - self.skip_first
+        self.num_frames = int(getattr(config, "num_frames", None) or neva["num_frames"])
+        self.pad_to_square = neva["image_aspect_ratio"] == "pad"
+
+    # -- prompts (hooks of multimodal/processor.py) ------------------------------------------------
+    @staticmethod
+    def tokenize_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
+        """`<image>` -> the placeholder id, `<video>` -> VIDEO_TOKEN_INDEX; pieces tokenized apart
+        without special tokens (NeMo's prompts carry no BOS)."""
+        ids: list[int] = []
+        for piece in re.split(r"(<image>|<video>)", text):
+            if piece == "<image>":
+                ids.append(marker_id)
+            elif piece == "<video>":
+                ids.append(VIDEO_TOKEN_INDEX)
+            elif piece:
+                ids.extend(tokenizer.encode(piece, add_special_tokens=False))
+        return ids
+
+    def preprocess_image(self, image_processor, img):
+        if self.pad_to_square and img.size[0] != img.size[1]:  # NeMo's expand2square, mean-colour fill
+            from PIL import Image
+            side = max(img.size)
+            fill = tuple(int(round(m * 255)) for m in image_processor.image_mean)
+            square = Image.new(img.mode, (side, side), fill)
+            square.paste(img, ((side - img.size[0]) // 2, (side - img.size[1]) // 2))
+            img = square
+        pixels = image_processor(images=[img], return_tensors="pt")["pixel_values"]
+        return pixels, (img.size[1], img.size[0]), self.tokens_per_image
+
+    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
+        return self.tokens_per_image * num_tiles  # a video's frames are its tiles
+
+    def num_video_tokens(self, num_frames: int) -> int:
+        return self.tokens_per_image * num_frames
+
+    # -- encoding ----------------------------------------------------------------------------------
+    def encode_images(self, items) -> list[torch.Tensor]:
+        """Images and videos alike: every frame / image of the step in one batch through the tower."""
+        pixels = to_device_pixels(items, self._param.device, self._param.dtype)
+        feats = self.mm_projector(self.vision_tower(pixels)[:, self.skip_first:])
+        return [f.reshape(-1, f.shape[-1]) for f in feats.split([it.pixel_values.shape[0] for it in items])]
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        c = self.config
+        projector = dict(self.mm_projector.named_parameters())
+
+        def text_weights():
+            for full, tensor in weights:
+                name = full[len("model."):] if full.startswith("model.") else full
+                if "vision_encoder." in name:  # in the checkpoint, or the tower's own files
+                    rest = name.split("vision_encoder.", 1)[1]
+                    filled = self.vision_tower.load_weight(rest, as_tensor(tensor))
+                    if filled:
+                        loaded.add(f"vision_tower.{filled}")
+                elif "mm_projector." in name:
+                    index, _, param = name.split("mm_projector.", 1)[1].partition(".")
+                    key = {"0": "linear_1", "2": "linear_2"}.get(index) if isinstance(self.mm_projector, MlpProjector) \
+                        else ("" if index in ("0", "") else None)
+                    target = f"{key}.{param}" if key else param
+                    if key is None or target not in projector:
+                        raise ValueError(f"NeVA projector tensor {full!r} matches no parameter "
+                                         f"({c.neva['adapter']} projector)")
+                    copy_checkpoint_tensor(projector[target], tensor, full)
+                    loaded.add(f"mm_projector.{target}")
+                elif name in _TOP_NAMES:
+                    yield _TOP_NAMES[name], self._norm_value(_TOP_NAMES[name], tensor)
+                elif (m := _LAYER.match(name)) is not None:
+                    yield from self._layer_tensors(int(m.group(1)), m.group(2), tensor, full)
+                elif name.endswith("rotary_pos_emb.inv_freq"):
+                    continue  # recomputed from rotary_base
+                else:
+                    raise ValueError(f"checkpoint tensor {full!r} matches no parameter of NeVA")
+
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
+        return loaded
+
+    def _norm_value(self, hf_name: str, tensor):
+        """LayerNorm1P stores w - 1; a plain LayerNorm checkpoint stores w."""
+        if "norm.weight" in hf_name and not self.layernorm1p_stored:
+            return as_tensor(tensor) - 1
+        return tensor
+
+    def _layer_tensors(self, i: int, rel: str, tensor, full: str):
+        module, _, param = rel.rpartition(".")
+        if param.startswith("layer_norm_"):  # mcore's fused norm: linear_qkv.layer_norm_weight
+            module, param = f"{module}.layer_norm", param[len("layer_norm_"):]
+        prefix = f"model.layers.{i}."
+        if module in ("self_attention.query_key_value", "self_attention.linear_qkv"):
+            c = self.config
+            q, k, v = split_grouped_qkv(as_tensor(tensor), c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                yield f"{prefix}self_attn.{proj}.{param}", t
+            return
+        if module not in _LAYER_NAMES:
+            raise ValueError(f"checkpoint tensor {full!r} matches no parameter of NeVA's decoder")
+        hf = f"{prefix}{_LAYER_NAMES[module]}.{param}"
+        yield hf, self._norm_value(hf, tensor)
