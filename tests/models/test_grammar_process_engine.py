@@ -34,7 +34,7 @@ def prompts_and_params(llm):
 
 # A KV cache too small for the batch: requests are preempted and recomputed (their matchers keep their
 # state in the grammar process). Async scheduling: the rows are taken a step call after the tokens went.
-SMALL = dict(num_blocks=24, block_size=16, max_num_batched_tokens=256, async_scheduling=True)
+SMALL = dict(num_blocks=12, block_size=16, max_num_batched_tokens=128, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
