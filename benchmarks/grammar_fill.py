@@ -1,8 +1,17 @@
 """What filling grammar masks costs on the host: xgrammar's batch fill of N matchers of the
-structured_overhead.py schema (inside a JSON string, the state most of its tokens are in), by thread
-count, against one-by-one fills.
+structured_overhead.py schema (inside a JSON string, the state most of its tokens are in).
 
     python benchmarks/grammar_fill.py --tokenizer <dir> [--vocab-size 128256] [--requests 64]
+    python benchmarks/grammar_fill.py --mode core --tokenizer <dir> [--host-work-ms 8]
+
+--mode threads (default): the batch fill by thread count, against one-by-one fills.
+--mode core: how long the engine core's thread is held per step by the grammar work, the fill in a
+grammar process (the default; structured_output/process_manager.py) against the fill on the core's
+thread ("inline"), through the managers the core uses and in the core's order: the step's tokens and
+the next rows go out, the core does --host-work-ms of other Python work (a stand-in for its scheduler
+update, outputs and next schedule, holding the GIL), then reads the accept's answer and takes the rows. Per step (medians) it
+prints how long the core's thread is held by the grammar calls (sending the tokens and waiting for
+their accept, then taking, or filling, the rows), the rows' part of it, and the step's wall time.
 """
 from __future__ import annotations
 
@@ -21,14 +30,24 @@ from benchmarks.structured_overhead import LONG_ARRAY  # noqa: E402
 
 
 def main() -> None:
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--vocab-size", type=int, default=128256)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--mode", choices=("threads", "core"), default="threads")
+    ap.add_argument("--host-work-ms", type=float, default=8.0, help="--mode core: the core's other host work")
     args = ap.parse_args()
+    if args.mode == "core":
+        from benchmarks.grammar_fill_core import core_busy
+        core_busy(args)
+        return
+    threads_mode(args)
+
+
+def threads_mode(args) -> None:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     V = args.vocab_size
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V)).compile_json_schema(

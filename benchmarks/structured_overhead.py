@@ -9,6 +9,8 @@ Every request generates exactly --output-len tokens, so the runs do the same mod
 requests ignore EOS, and constrained ones follow a schema (an array of at least 200 short strings)
 that cannot end sooner. The constrained requests are spread evenly through the batch. Prints output
 tokens/s of each run (best of --repeats, after a warm-up run) and the relative cost.
+--structured-outputs-fill inline measures the fill on the engine core's thread (before the grammar
+process).
 """
 from __future__ import annotations
 
@@ -56,10 +58,13 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--random-weights", action="store_true", help="--model is a config directory (no weights)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--structured-outputs-fill", choices=("process", "inline"), default="process",
+                    help="masks filled in the grammar process (default) or on the engine core's thread")
     args = ap.parse_args()
 
     extra = dict(random_weights=True, dtype="bfloat16", max_model_len=4096) if args.random_weights else {}
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, async_scheduling=args.async_scheduling, **extra)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, async_scheduling=args.async_scheduling,
+              structured_outputs_fill=args.structured_outputs_fill, **extra)
     results = {}
     for fraction in (0.0, args.fraction):
         prompts, params = build_requests(llm, args, fraction)

@@ -75,6 +75,11 @@ class EngineArgs(CliOptions):
     async_scheduling: bool | None = option(
         None, default_text="on with CUDA",
         help="schedule the next step while the device runs the current one")
+    structured_outputs_fill: str = option(
+        "process", choices=("process", "inline"),
+        help="where grammar masks of structured outputs are filled: process: a grammar process beside the "
+             "engine core, overlapping the core's host work (the in-process fill takes over if it cannot "
+             "start); inline: threads of the engine core")
     # Here rather than with the server's options: the engine names its model with it (the name the
     # server answers to, /v1/models and the metrics' label all come from the engine).
     served_model_name: list[str] | None = option(

@@ -253,7 +253,18 @@ class Scheduler:
         a new token (finished ones included). `prompt_logprobs`: {id: (start, entries, ranks)} of the
         prompt chunks the step computed for requests that asked for them."""
         updated = []
-        for request, n in self._steps.pop(out.step_id, ()):
+        steps = self._steps.pop(out.step_id, ())
+        # Constrained requests' tokens advance their grammars in one call (in the grammar process,
+        # with the next step's rows to fill: structured_output/process_manager.py); whose grammar ended
+        # is read after the other requests are done, so the answer's wait overlaps their work.
+        ended, grammar_ended = None, {}
+        if self.structured is not None and self.structured.live:
+            pairs = [(r, sampled[r.request_id]) for r, _ in steps
+                     if r.grammar is not None and not r.is_finished and r.request_id in sampled]
+            if pairs:
+                ended = self.structured.accept_tokens_later(pairs)
+        constrained = []
+        for request, n in steps:
             if request.is_finished:  # aborted (or failed) while the step ran
                 continue
             if prompt_logprobs and not request.output_token_ids:
@@ -265,13 +276,26 @@ class Scheduler:
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
-                if request.grammar is not None and self.structured.accept_token(request, token):
-                    request.status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                updated.append(request)
+                if ended is not None and request.grammar is not None:
+                    constrained.append((request, token))
                 else:
                     self._check_stop(request, token)
-                updated.append(request)
-            if holds_blocks:  # also when this token ended it: its prompt blocks serve later requests
+            if holds_blocks:  # also when this token ends it: its prompt blocks serve later requests
                 self.kv.cache_full_blocks(request)
+            if request.is_finished:
+                self._release(request)
+        if constrained:
+            grammar_ended = ended()
+        for request, token in constrained:
+            if id(request) in grammar_ended:
+                reason = grammar_ended[id(request)]
+                if reason is None:
+                    request.status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                else:  # its grammar process was lost: the token is not checked, and not given out
+                    request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, reason
+            else:
+                self._check_stop(request, token)
             if request.is_finished:
                 self._release(request)
         return updated

@@ -8,6 +8,7 @@ process of its own (the server).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -30,11 +31,12 @@ from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.families import decoder_spec
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
-from splitserve.models.resolve import ModelSource, load_tokenizer, resolve_model
+from splitserve.models.resolve import ModelSource, load_serving_tokenizer, resolve_model
 from splitserve.request import Request, RequestStatus
 from splitserve.startup.bytecode import start_bytecode_warmup
 from splitserve.startup.kernel_precompile import start_attention_precompile
 from splitserve.structured_output.manager import StructuredOutputManager
+from splitserve.structured_output.process_manager import GrammarProcessManager
 from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -140,14 +142,16 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
                          "8.9 or newer (Ada, Hopper); use kv_cache_dtype auto")
 
 
-def _core_tokenizer(spec: ModelSpec, random_weights: bool):
-    """The tokenizer, for xgrammar's view of the vocabulary (the front's choice, made the same way)."""
-    try:
-        return load_tokenizer(spec.source)
-    except (OSError, ValueError):
-        if not random_weights:
-            raise
-        return load_tokenizer(None)
+def _structured_manager(args: EngineArgs, spec: ModelSpec):
+    """The grammar state of constrained requests: in a grammar process of its own (the default), or in
+    this process (`structured_outputs_fill="inline"`, and the fallback when the process cannot start).
+    The tokenizer, for xgrammar's view of the vocabulary, is the front's, loaded the same way (by the
+    grammar process itself, or here on the first constrained request)."""
+    loader = functools.partial(load_serving_tokenizer, spec.source, spec.tokenizer_source, args.random_weights)
+    m = spec.config.model
+    if args.structured_outputs_fill == "inline":
+        return StructuredOutputManager(m.vocab_size, m.eos_token_ids, loader)
+    return GrammarProcessManager(m.vocab_size, m.eos_token_ids, loader, max_rows=args.max_num_seqs)
 
 
 class EngineCore:
@@ -166,9 +170,9 @@ class EngineCore:
         # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
         self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
                                          sliding_window=self._kv_free_window(m.hf_config))
-        # Grammars compile on threads of their own; the core loads the tokenizer only for the first one.
-        self.structured = StructuredOutputManager(m.vocab_size, m.eos_token_ids,
-                                                  lambda: _core_tokenizer(spec, args.random_weights))
+        # Grammars compile and masks fill off the core's thread (a grammar process, started by the first
+        # constrained request; or threads here).
+        self.structured = _structured_manager(args, spec)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
         # A runner in this process takes a step's grammar masks after its launch (ModelRunner.sample);
@@ -262,6 +266,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stops the worker processes (world size > 1); nothing to do in one process."""
+        self.structured.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -292,6 +297,8 @@ class EngineCore:
     def reset_inflight(self) -> None:
         """Forgets the step in flight (after a failure that ended all of its requests)."""
         self._inflight = None
+        if self.structured.fills_elsewhere:
+            self.structured.discard_fill()
         self.scheduler.forget_steps()
         self._flush_removals()
 
@@ -324,11 +331,18 @@ class EngineCore:
         With async scheduling the host work of step N+1 (scheduling, input layout, launch) overlaps
         the device's work on step N: requests whose tokens from N are still pending are scheduled
         with them as inputs, filled in on the device. A request that N ends (EOS, stop string) wastes
-        its slot in N+1, whose token is then discarded. Without it, each step is collected first."""
+        its slot in N+1, whose token is then discarded. Without it, each step is collected first.
+
+        Grammar masks (runner in this process): the forward of N+1 is launched without them. With a
+        grammar process, N's tokens go to it as soon as they are in, with N+1's rows; the rows are
+        taken in the next call, after its schedule, just before N+1's sampler (and N+2's launch): the
+        fill overlaps the rest of the core's host work. Filled here, they follow N's results."""
         outputs: list[EngineCoreOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
-            outputs += self._process(inflight)
+            inflight = self._finish_sampling(inflight, outputs)
+            if inflight is not None:
+                outputs += self._process(inflight)
             inflight = None
         if self.structured.live:
             outputs += self._fail_grammars()
@@ -336,6 +350,8 @@ class EngineCore:
             outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
+        if inflight is not None:  # its sampler goes first: this step's forward reads its tokens
+            inflight = self._finish_sampling(inflight, outputs)
         constrained = []
         if not sched.is_empty:
             constrained = self.structured.sampling_requests(sched, self.scheduler.samples_after)
@@ -365,15 +381,34 @@ class EngineCore:
             self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar
         if sched.is_empty and inflight is None and self._inflight is None and self.lora is not None:
             self.lora.wait_for_loads(_COMPILE_WAIT_S)  # or for an adapter to load
+        awaiting = self._inflight is not None and self._inflight.awaiting_mask is not None
+        fill_elsewhere = awaiting and self.structured.fills_elsewhere
+        if fill_elsewhere:
+            self.structured.queue_fill(constrained)  # goes out with the tokens of `inflight`, or alone
         if inflight is not None:
             outputs += self._process(inflight)
-        if self._inflight is not None and self._inflight.awaiting_mask is not None:
+        if fill_elsewhere:
+            self.structured.send_fill()
+        elif awaiting:
             outputs += self._sample_constrained(constrained)
         if self._inflight is not None and not self.async_scheduling:
-            outputs += self._process(self._inflight)
-            self._inflight = None
+            launched, self._inflight = self._finish_sampling(self._inflight, outputs), None
+            if launched is not None:
+                outputs += self._process(launched)
         self._flush_removals()
         return outputs
+
+    def _finish_sampling(self, launched, outputs: list[EngineCoreOutput]):
+        """Enqueues the sampler of a step launched without its grammar masks, with the rows the
+        grammar process filled; returns the step (None if it failed: its requests have ended)."""
+        if launched.awaiting_mask is None:
+            return launched
+        try:
+            self.runner.sample(launched, self.structured.take_fill())
+        except Exception as exc:
+            outputs += self._fail_step(launched.sched, exc)
+            return None
+        return launched
 
     def _sample_constrained(self, constrained: list) -> list[EngineCoreOutput]:
         """Fills the launched step's grammar masks (the device is running its forward) and enqueues
@@ -431,6 +466,10 @@ class EngineCore:
         self._failed_steps_in_a_row = 0
         outputs = []
         for request in self.scheduler.update(sched, result.tokens, result.prompt_logprobs):
+            if request.status == RequestStatus.FINISHED_ERROR:  # its grammar process was lost
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                                stop_reason=request.stop_reason))
+                continue
             lp = result.logprobs.get(request.request_id)
             out = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
                                    None if lp is None else [lp], request.status.finish_reason,

@@ -17,31 +17,14 @@ import torch
 from splitserve.engine.core import ModelSpec
 from splitserve.engine.messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
-from splitserve.models.resolve import load_tokenizer
+from splitserve.models.resolve import load_serving_tokenizer
 from splitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
-    if spec.tokenizer_source is not None:  # --tokenizer
-        return load_tokenizer(spec.tokenizer_source)
-    try:
-        if random_weights and not spec.source.gguf_file and not _has_tokenizer_files(spec.source.directory):
-            raise OSError("no tokenizer files")  # AutoTokenizer would make an empty one for some configs (BLIP-2)
-        return load_tokenizer(spec.source)
-    except (OSError, ValueError):
-        if not random_weights:
-            raise
-        # A bare config for performance runs: any tokenizer will do for token-id prompts.
-        logger.warning("no tokenizer next to %s; using the default model's", spec.source.path)
-        return load_tokenizer(None)
-
-
-def _has_tokenizer_files(directory: str) -> bool:
-    import os
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-    return any(os.path.exists(os.path.join(d, n)) for d in (directory, os.path.join(directory, "llm")) for n in names)
+    return load_serving_tokenizer(spec.source, spec.tokenizer_source, random_weights)
 
 
 def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):

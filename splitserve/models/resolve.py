@@ -8,6 +8,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -150,3 +151,26 @@ def load_tokenizer(source: ModelSource | str | None):
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tokenizer
+
+
+def load_serving_tokenizer(source: ModelSource, tokenizer_source: ModelSource | None, random_weights: bool):
+    """The tokenizer an engine serves with: --tokenizer's, else the model's; a bare config for
+    performance runs (random weights, no tokenizer files) takes the default model's. One function for
+    the front, the engine core and the grammar process, so all of them see the same vocabulary."""
+    if tokenizer_source is not None:  # --tokenizer
+        return load_tokenizer(tokenizer_source)
+    try:
+        if random_weights and not source.gguf_file and not _has_tokenizer_files(source.directory):
+            raise OSError("no tokenizer files")  # AutoTokenizer would make an empty one for some configs (BLIP-2)
+        return load_tokenizer(source)
+    except (OSError, ValueError):
+        if not random_weights:
+            raise
+        # A bare config for performance runs: any tokenizer will do for token-id prompts.
+        logging.getLogger(__name__).warning("no tokenizer next to %s; using the default model's", source.path)
+        return load_tokenizer(None)
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    return any(os.path.exists(os.path.join(d, n)) for d in (directory, os.path.join(directory, "llm")) for n in names)

@@ -1,4 +1,6 @@
-"""Grammar state of constrained requests, in the engine core next to the scheduler.
+"""Grammar state of constrained requests, in the engine core next to the scheduler (the in-process
+variant: `structured_outputs_fill="inline"`, and the fallback of the grammar process, whose manager
+in process_manager.py keeps the same contract).
 
 - **Compilation** runs on a thread pool, never on the step loop: the first constrained request also
   builds xgrammar's view of the vocabulary there (the tokenizer's decoded tokens, padded to the
@@ -18,7 +20,8 @@ The mask of a step needs the tokens of the step before it. With the runner in th
 core launches the step's forward first, takes in the tokens of the step in flight (advancing the
 matchers), then fills the masks while the device computes, and enqueues the sampler last (async
 scheduling stays on). Filling on a thread of its own, to overlap the core's other host work too,
-measured slower on the H100 machine (BENCHMARKS.md, eleventh session). Worker processes get
+measured slower on the H100 machine (BENCHMARKS.md, eleventh session): the grammar process does that
+overlap without sharing the core's GIL. Worker processes get
 the masks inside the step message: there a step in which constrained requests sample is collected
 before the next one is scheduled (`needs_sync`).
 """
@@ -67,6 +70,8 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
+    fills_elsewhere = False  # the core fills the masks itself (`fill_bitmask`)
+
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...],
                  tokenizer_loader: Callable[[], object], max_workers: int = 2):
         self.vocab_size = vocab_size
@@ -215,6 +220,17 @@ class StructuredOutputManager:
                            request.request_id, token)
             return True
         return matcher.is_terminated()
+
+    def accept_tokens(self, pairs: list[tuple[object, int]]) -> dict[int, str | None]:
+        """A step's tokens, one (request, token) pair per constrained request that sampled: {id(request):
+        None} for those that must end (see accept_token). The grammar process's manager has the same
+        call, and may give a reason instead of None (its process was lost: the request fails)."""
+        return {id(request): None for request, token in pairs if self.accept_token(request, token)}
+
+    def accept_tokens_later(self, pairs: list[tuple[object, int]]) -> Callable[[], dict[int, str | None]]:
+        """accept_tokens, with its answer read when the returned function is called (here at once)."""
+        ended = self.accept_tokens(pairs)
+        return lambda: ended
 
     def shutdown(self) -> None:
         if self._pool is not None:

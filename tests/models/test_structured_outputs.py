@@ -156,18 +156,18 @@ def test_abort_while_compiling_and_while_generating_leaves_the_pool_whole(llm, m
     engine = llm.engine
     prompt = chat_prompt(llm, "Write a long string.")
     slow = SO(json={"type": "string", "minLength": 7})
-    # Hold this one grammar's compile until the test has seen the request wait (a large schema alone
-    # compiled in under a step on a fast machine, so the wait was not guaranteed).
+    # Hold this one grammar back (as if compiling) until the test has seen the request wait (a large
+    # schema alone compiled in under a step on a fast machine, so the wait was not guaranteed).
     release = threading.Event()
     manager = engine.core.structured
-    real_compile = manager._compile
+    real_is_ready = manager.is_ready
 
-    def held_compile(key):
-        if key == slow.key():
-            release.wait(60)
-        return real_compile(key)
+    def held_is_ready(request):
+        if request.request_id == "compiling" and not release.is_set():
+            return False
+        return real_is_ready(request)
 
-    monkeypatch.setattr(manager, "_compile", held_compile)
+    monkeypatch.setattr(manager, "is_ready", held_is_ready)
     engine.add_request("compiling", prompt, SamplingParams(max_tokens=5, structured_outputs=slow))
     engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     outs = {}
