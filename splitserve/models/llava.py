@@ -65,6 +65,13 @@ class VisionLanguageModel(nn.Module):
     def _param(self) -> torch.Tensor:
         return self.language_model.embed_tokens.weight
 
+    def encode_images(self, items) -> list[torch.Tensor]:
+        """Every tile of the step's images in one batch through the model's `tile_features` ([N, 3, H, W]
+        -> [N, tokens, text hidden]); each item's tiles' features, flat. Models that arrange tiles
+        (LLaVA-NeXT's grid) override this."""
+        feats = self.tile_features(to_device_pixels(items, self._param.device, self._param.dtype))
+        return [f.reshape(-1, f.shape[-1]) for f in feats.split([it.pixel_values.shape[0] for it in items])]
+
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
     def __init__(self, config, quant_config=None):
@@ -95,9 +102,6 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         feats = self.vision_tower(pixel_values)[:, self.skip_first:]
         return self.multi_modal_projector(feats)
 
-    def encode_images(self, items) -> list[torch.Tensor]:
-        feats = self.tile_features(to_device_pixels(items, self._param.device, self._param.dtype))
-        return [f.reshape(-1, f.shape[-1]) for f in feats.split([it.pixel_values.shape[0] for it in items])]
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -31,7 +31,6 @@ from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tenso
 from splitserve.layers.vision import MlpProjector, VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.models.nemo_archive import copy_hf_files, iter_merged
-from splitserve.multimodal.processor import to_device_pixels
 
 logger = logging.getLogger(__name__)
 
@@ -386,11 +385,9 @@ class NevaForCausalLM(VisionLanguageModel):
         return self.tokens_per_image * num_frames
 
     # -- encoding ----------------------------------------------------------------------------------
-    def encode_images(self, items) -> list[torch.Tensor]:
-        """Images and videos alike: every frame / image of the step in one batch through the tower."""
-        pixels = to_device_pixels(items, self._param.device, self._param.dtype)
-        feats = self.mm_projector(self.vision_tower(pixels)[:, self.skip_first:])
-        return [f.reshape(-1, f.shape[-1]) for f in feats.split([it.pixel_values.shape[0] for it in items])]
+    def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, tokens, text hidden]: images and videos alike (a video's tiles are its frames)."""
+        return self.mm_projector(self.vision_tower(pixel_values)[:, self.skip_first:])
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -21,7 +21,6 @@ from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.models.safetensors_io import iter_safetensors
-from splitserve.multimodal.processor import to_device_pixels
 
 VILA_ARCHITECTURES = ("LlavaLlamaModel", "LlavaLlamaForCausalLM")
 _PARTS = ("llm", "vision_tower", "mm_projector")
@@ -89,10 +88,9 @@ class VilaForConditionalGeneration(VisionLanguageModel):
     def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
         return self.tokens_per_image
 
-    def encode_images(self, items) -> list[torch.Tensor]:
-        pixels = to_device_pixels(items, self._param.device, self._param.dtype)
-        feats = self.mm_projector(self.vision_tower(pixels)[:, self.skip_first:])
-        return [f.reshape(-1, f.shape[-1]) for f in feats.split([it.pixel_values.shape[0] for it in items])]
+    def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, tokens, text hidden]."""
+        return self.mm_projector(self.vision_tower(pixel_values)[:, self.skip_first:])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
