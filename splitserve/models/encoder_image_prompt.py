@@ -27,7 +27,7 @@ class EncoderImagePromptProcessor:
     def process_image(self, img):
         """(content hash, the decoded image): the encoder input is cut in build_prompt, where the
         request's text is known."""
-        from splitserve.multimodal.processor import image_hash
+        from splitserve.multimodal.inputs import image_hash
         return image_hash(img), img
 
     def load_and_process(self, sources: list, policy):

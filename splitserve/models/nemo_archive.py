@@ -121,8 +121,10 @@ def iter_merged(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # -- unpacking --------------------------------------------------------------------------------------
-def unpack(path: str) -> str:
-    """The cache directory of a .nemo file, unpacked and converted on first use."""
+def unpack(path: str, write_model_files) -> str:
+    """The cache directory of a .nemo file, unpacked and converted on first use. `write_model_files(out,
+    archive, nemo_cfg, nemo_dir) -> dict` is the model's (models/neva.py): what it needs beside the
+    weights, and the config entries that record it (passed in: this module stays below the model)."""
     import yaml
     path = os.path.abspath(path)
     stat = os.stat(path)
@@ -145,7 +147,6 @@ def unpack(path: str) -> str:
             raise ValueError(f"{path}: model_config.yaml is not a mapping")
         files = weight_files(archive)
         vocab = _vocab_size(files)
-        from splitserve.models.neva import write_model_files  # the model decides what it needs
         info = write_model_files(tmp, archive, nemo_cfg, os.path.dirname(path))
         # no model_type: transformers reads this file too (AutoTokenizer) and knows no "neva"
         config = {"architectures": ["NevaForCausalLM"], "vocab_size": vocab,

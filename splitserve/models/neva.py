@@ -30,7 +30,7 @@ from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
-from splitserve.models.nemo_archive import copy_hf_files, iter_merged
+from splitserve.models.nemo_archive import copy_hf_files, iter_merged, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,11 @@ def _write_stop_ids(out: str, conv: str | None) -> None:
     if ids:
         with open(os.path.join(out, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": ids}, f)
+
+
+def unpack_nemo(path: str) -> str:
+    """The model directory of a .nemo archive (unpacked and converted once, into the cache)."""
+    return unpack(path, write_model_files)
 
 
 def write_model_files(out: str, archive: str, nemo_cfg: dict, nemo_dir: str) -> dict:

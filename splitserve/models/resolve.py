@@ -46,8 +46,8 @@ def resolve_model(model: str | None) -> ModelSource:
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if path.endswith(".nemo"):  # unpacked once into a cache directory (models/nemo_archive.py)
-            from splitserve.models.nemo_archive import unpack
-            return ModelSource(os.path.basename(path), unpack(path))
+            from splitserve.models.neva import unpack_nemo
+            return ModelSource(os.path.basename(path), unpack_nemo(path))
         if not path.endswith(".gguf"):
             raise ValueError(f"model file {path} is not a .gguf or .nemo file; pass a GGUF file, a .nemo archive "
                              f"or an HF model directory")

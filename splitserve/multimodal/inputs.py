@@ -1,6 +1,7 @@
 """What a multimodal request carries from the front end to the model runner."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -51,3 +52,12 @@ class ProcessedImage:
     image_size: tuple[int, int]
     num_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+def image_hash(img) -> str:
+    """Content hash of decoded pixels: the same picture sent as PNG, JPEG-free data URL or path hashes
+    the same, and a one-pixel change does not."""
+    h = hashlib.sha256()
+    h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
+    h.update(img.tobytes())
+    return h.hexdigest()

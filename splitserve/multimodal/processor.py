@@ -9,14 +9,13 @@ Each marker becomes as many placeholder tokens as the model makes features for t
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from typing import Any, Callable
 
 import torch
 
-from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt, ProcessedImage
+from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt, ProcessedImage, image_hash
 from splitserve.multimodal.media import MediaError, MediaPolicy, load_image
 from splitserve.multimodal.video import DecodedVideo, VideoRef, load_video
 
@@ -28,15 +27,6 @@ VILA_IMAGE_TOKEN_INDEX = -200
 # Videos (models with `video_token_index`: Video NeVA): `<video>` in text, that id in token-id prompts.
 VIDEO_MARKER = "<video>"
 VIDEO_PART_TYPES = ("video_url", "video")
-
-
-def image_hash(img) -> str:
-    """Content hash of decoded pixels: the same picture sent as PNG, JPEG-free data URL or path hashes
-    the same, and a one-pixel change does not."""
-    h = hashlib.sha256()
-    h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
-    h.update(img.tobytes())
-    return h.hexdigest()
 
 
 def load_image_processor(directory: str):

@@ -257,7 +257,7 @@ def test_gzipped_tensor_parallel_mcore_archive_with_num_frames(setup):
 
 
 def test_archive_errors(tmp_path, monkeypatch):
-    from splitserve.models.nemo_archive import unpack
+    from splitserve.models.neva import unpack_nemo as unpack
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "bad.nemo"
     bad.write_bytes(b"not a tar at all")
@@ -297,7 +297,7 @@ def test_sentencepiece_tokenizer_in_the_archive(tmp_path, monkeypatch):
     model with sentencepiece's dummy prefix differs at the start of a text: see DESIGN.md.)"""
     spm = pytest.importorskip("sentencepiece")
     pytest.importorskip("google.protobuf")
-    from splitserve.models.nemo_archive import unpack
+    from splitserve.models.neva import unpack_nemo as unpack
     from splitserve.models.resolve import load_tokenizer
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "cache"))
     text = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(100)] + \
