@@ -335,8 +335,8 @@ class EngineCore:
 
         Grammar masks (runner in this process): the forward of N+1 is launched without them. With a
         grammar process, N's tokens go to it as soon as they are in, with N+1's rows; the rows are
-        taken in the next call, after its schedule, just before N+1's sampler (and N+2's launch): the
-        fill overlaps the rest of the core's host work. Filled here, they follow N's results."""
+        taken at the start of the next call, just before N+1's sampler (and N+2's schedule and launch):
+        the fill overlaps the rest of the core's host work. Filled here, they follow N's results."""
         outputs: list[EngineCoreOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and (not self.async_scheduling or inflight.needs_sync):
@@ -344,14 +344,16 @@ class EngineCore:
             if inflight is not None:
                 outputs += self._process(inflight)
             inflight = None
+        if inflight is not None:
+            # Its sampler goes first: this step's forward reads its tokens. Before the schedule: if
+            # it fails, its requests end first, and no step is scheduled on tokens it will not give.
+            inflight = self._finish_sampling(inflight, outputs)
         if self.structured.live:
             outputs += self._fail_grammars()
         if self.lora is not None:
             outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.total_num_scheduled_tokens
-        if inflight is not None:  # its sampler goes first: this step's forward reads its tokens
-            inflight = self._finish_sampling(inflight, outputs)
         constrained = []
         if not sched.is_empty:
             constrained = self.structured.sampling_requests(sched, self.scheduler.samples_after)

@@ -231,6 +231,12 @@ def test_a_sampler_that_fails_after_the_masks_fails_its_step_only(llm):
     requests run normally and the pool, the worker's batch and the grammar state end whole."""
     overlapped = LLM(num_blocks=1024, async_scheduling=True)
     runner = overlapped.engine.runner
+    prompt = chat_prompt(llm, "Describe a person as JSON.")
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=PERSON)),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    # The grammar compiled first (and the grammar process started), so that both requests below
+    # are admitted together and share the step whose sampler fails.
+    overlapped.generate([prompt], params[:1], use_tqdm=False)
     real_sample, calls = runner.sample, []
 
     def failing_once(step, bitmask):
@@ -240,9 +246,6 @@ def test_a_sampler_that_fails_after_the_masks_fails_its_step_only(llm):
         return real_sample(step, bitmask)
 
     runner.sample = failing_once
-    prompt = chat_prompt(llm, "Describe a person as JSON.")
-    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=PERSON)),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
     failed = overlapped.generate([prompt, prompt], params, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in failed] == ["error", "error"]
     assert len(calls) == 3
