@@ -60,6 +60,9 @@ class Scheduler:
         # Removals the worker has not been told about yet (they go out with the next message).
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
+        # Whether a decoder-only request with images was ever added: until then (text models always)
+        # no step walks the waiting queue for images to announce.
+        self._has_image_requests = False
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +74,8 @@ class Scheduler:
                              f"the decoder's first token")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.mm_items and not request.num_encoder_tokens:
+            self._has_image_requests = True  # from now on steps look for images to announce
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -181,6 +186,8 @@ class Scheduler:
     def _announce_images(self, out: SchedulerOutput) -> None:
         """Announces the images of the next waiting requests (as far ahead as one batch of running
         requests) to the worker once, so that it can encode them before their admission."""
+        if not self._has_image_requests:
+            return
         for k, request in enumerate(self.waiting):
             if k >= self.config.max_num_seqs:
                 break
