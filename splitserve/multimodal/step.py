@@ -91,15 +91,21 @@ class MultiModalStepEncoder:
                 found[item.hash] = feats
         if missing:
             todo = list(missing.values())
-            for item, feats in zip(todo, self.model.encode_images(todo)):
-                if feats.shape[0] != item.num_tokens:
-                    raise RuntimeError(f"image encoder made {feats.shape[0]} features for an image with "
-                                       f"{item.num_tokens} placeholder tokens")
+            for item, feats in zip(todo, self._encode(todo)):
                 found[item.hash] = feats
                 self.cache.put(item.hash, feats)
             self.num_images_encoded += len(todo)
         return found
 
+
+    def _encode(self, items) -> list[torch.Tensor]:
+        """The tower over items in one batch; each image's features, checked against its placeholders."""
+        feats = self.model.encode_images(items)
+        for item, f in zip(items, feats):
+            if f.shape[0] != item.num_tokens:
+                raise RuntimeError(f"image encoder made {f.shape[0]} features for an image with "
+                                   f"{item.num_tokens} placeholder tokens")
+        return feats
 
     # -- encoding ahead of admission ---------------------------------------------------------------
     def forget(self, req_ids) -> None:
@@ -139,19 +145,16 @@ class MultiModalStepEncoder:
         for item in todo:
             del self.pending[item.hash]
         if self.side_stream is None:
-            feats = self.model.encode_images(todo)
+            feats = self._encode(todo)
             event = None
         else:
             # No wait on this step's stream: the inputs are copied on the side stream, the weights never
             # change, and waiting would put the tower after the step's forward instead of beside it.
             with torch.cuda.stream(self.side_stream):
-                feats = self.model.encode_images(todo)
+                feats = self._encode(todo)
             event = torch.cuda.Event()
             event.record(self.side_stream)
         for item, f in zip(todo, feats):
-            if f.shape[0] != item.num_tokens:
-                raise RuntimeError(f"image encoder made {f.shape[0]} features for an image with "
-                                   f"{item.num_tokens} placeholder tokens")
             self.cache.put(item.hash, f, reserve=True)
             if event is not None:
                 self.ready[item.hash] = event
