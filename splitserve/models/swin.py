@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.activation import activation
+from splitserve.layers.quantization.base import copy_checkpoint_tensor
 
 
 def _pair(v) -> tuple[int, int]:
@@ -201,8 +202,5 @@ class SwinEncoder(nn.Module):
             return None
         if name not in params:
             raise ValueError(f"unexpected Swin encoder checkpoint tensor {name!r}")
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"Swin tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-        with torch.no_grad():
-            params[name].copy_(tensor)
+        copy_checkpoint_tensor(params[name], tensor, f"Swin tensor {name!r}")
         return name
