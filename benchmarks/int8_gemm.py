@@ -43,6 +43,7 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 DEFAULT_M = (64, 256, 1024, 4096, 16384)
 WEIGHT_BYTES_PER_GRAPH = 256 << 20  # > 5x the H100's 50 MB L2
 INT_MM_PAD_ROWS = 16
+DEVICE = "cuda"  # tests of the script's own logic set "cpu" (TRITON_INTERPRET=1, graph_ms replaced)
 
 
 def log(*a):
@@ -78,8 +79,8 @@ def copies_for(bytes_per_copy: int) -> int:
 
 
 def int8_weight(N: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda", generator=gen)
-    s = torch.rand(N, device="cuda", generator=gen) * 2e-4 + 1e-4  # ~ normal(0, 0.02) weights / 127.5
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE, generator=gen)
+    s = torch.rand(N, device=DEVICE, generator=gen) * 2e-4 + 1e-4  # ~ normal(0, 0.02) weights / 127.5
     return q, s
 
 
@@ -118,14 +119,14 @@ METHODS = ("bf16", "int_mm path", "triton+quant", "triton gemm", "triton tma")
 
 def run_table(ms_list, compiled: bool):
     int_mm = torch.compile(int_mm_path, dynamic=True, fullgraph=True) if compiled else int_mm_path
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     rows = []
     for name, (K, N) in SHAPES.items():
-        wb = [(torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        wb = [(torch.randn(N, K, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
               for _ in range(copies_for(2 * N * K))]
         wq = [int8_weight(N, K, gen) for _ in range(copies_for(N * K))]
         for M in ms_list:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=gen)
             xq = G.quantize_int8_per_token(x)
             flop = 2 * M * N * K
             base = None
@@ -175,8 +176,17 @@ def quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / s).clamp(-128, 127).to(torch.int8), s
 
 
+def beyond_one_rounding(out, acc_ref, mag, s, ws, bias) -> int:
+    """How many outputs are further from (acc * s) * ws + bias (fp32) than one rounding to out's dtype,
+    allowing a few fp32 ulps of the terms' magnitudes (FMA contraction, split-K partial sums)."""
+    b = 0 if bias is None else bias.float()
+    ref = acc_ref.float() * s * ws + b
+    tol = torch.finfo(out.dtype).eps * ref.abs() + 8 * torch.finfo(torch.float32).eps * (mag * s * ws + abs(b))
+    return ((out.float() - ref).abs() > tol).sum().item()
+
+
 def check(ms_list) -> int:
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
     failures = 0
 
     def fail(msg):
@@ -186,9 +196,9 @@ def check(ms_list) -> int:
 
     for name, (K, N) in SHAPES.items():
         w, ws = int8_weight(N, K, gen)
-        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen)
+        bias = torch.randn(N, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         for M in sorted(set(ms_list) | {1, 7, 16, 33, 100}):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 2
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 2
             x[0] = 0  # an all-zero token
             q, s = G.quantize_int8_per_token(x)
             q_ref, s_ref = quant_ref(x)
@@ -200,6 +210,7 @@ def check(ms_list) -> int:
             if off.max() > 1:
                 fail(f"{name} M={M}: quantization is more than 1 off ops.int8_quantize_per_token")
             acc_ref = (q.double() @ w.double().t()).to(torch.int32)  # exact: |sums| < 2^28
+            mag = (q.double().abs() @ w.double().abs().t()).float()
             configs = [("default", None)]
             if M > 256 and G.tma_supported(q, w):
                 cfg = G.default_int8_config(M, N, K)
@@ -212,19 +223,17 @@ def check(ms_list) -> int:
                     fail(f"{name} M={M} {label}: int32 accumulator differs in {(acc != acc_ref).sum().item()} values")
                 for b in (None, bias):
                     out = G.int8_gemm(q, s, w, ws, b, config=cfg)
-                    ref32 = acc_ref.float() * s * ws + (0 if b is None else b.float())
-                    # one bf16 rounding of the fp32 epilogue (FMA contraction may move the fp32 value
-                    # by an ulp, so a tie can round the other way: at most one bf16 ulp)
-                    ulp = torch.finfo(torch.bfloat16).eps * ref32.abs().clamp(min=1e-30)
-                    bad = ((out.float() - ref32).abs() > ulp).sum().item()
+                    bad = beyond_one_rounding(out, acc_ref, mag, s, ws, b)
                     if bad:
-                        fail(f"{name} M={M} {label} bias={b is not None}: {bad} outputs beyond one bf16 ulp")
-            lin = G.int8_linear(x, w, ws, bias)
-            ref = (acc_ref.float() * s * ws + bias.float())
-            if ((lin.float() - ref).abs() > torch.finfo(torch.bfloat16).eps * ref.abs()).sum().item():
-                fail(f"{name} M={M}: int8_linear beyond one bf16 ulp of the reference")
+                        fail(f"{name} M={M} {label} bias={b is not None}: {bad} outputs beyond one bf16 rounding")
+            if beyond_one_rounding(G.int8_linear(x, w, ws, bias), acc_ref, mag, s, ws, bias):
+                fail(f"{name} M={M}: int8_linear beyond one bf16 rounding of the reference")
+            del acc_ref, mag
+        if DEVICE != "cuda":
+            log(f"check {name}: done (no graph replays off CUDA)")
+            continue
         # graph replays: split-K counters must come back to zero between replays
-        x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(16, K, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         first = G.int8_linear(x, w, ws)
         out = torch.empty_like(first)
         g = torch.cuda.CUDAGraph()
@@ -257,7 +266,7 @@ def sweep_configs(M: int) -> list:
         for warps in (4, 8):
             if bm * bn // (warps * 32) > 128:  # int32 accumulator registers per thread
                 continue
-            for stages in (3, 4, 5):
+            for stages in (3, 4):
                 if stages * (bm + bn) * bk > SMEM_LIMIT - 8192:
                     continue
                 for tma in (False, True):
@@ -268,12 +277,12 @@ def sweep_configs(M: int) -> list:
 
 
 def sweep(ms_list):
-    gen = torch.Generator(device="cuda").manual_seed(2)
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
     best = []
     for name, (K, N) in SHAPES.items():
         wq = [int8_weight(N, K, gen) for _ in range(copies_for(N * K))]
         for M in ms_list:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=gen)
             q, s = G.quantize_int8_per_token(x)
             flop = 2 * M * N * K
             results = []
@@ -290,7 +299,7 @@ def sweep(ms_list):
             for ms, cfg in results[:5]:
                 log(f"    {cfg.describe():40s} {ms * 1e3:9.1f} us {flop / (ms * 1e-3) / 1e12:7.1f} TFLOP/s")
             if results:
-                d = next(ms for ms, cfg in results if cfg == default) if any(c == default for _, c in results) else float("nan")
+                d = next((ms for ms, cfg in results if cfg == default), float("nan"))
                 best.append((name, M, results[0][1], results[0][0], d, flop))
         del wq
         torch.cuda.empty_cache()
