@@ -2,6 +2,7 @@
 before quant_kernels/int8_gemm.py, and that Triton kernel (with and without its quantization launch).
 
     python benchmarks/int8_gemm.py [--check] [--sweep] [--m 64,256,1024,4096,16384] [--no-compile]
+    python benchmarks/int8_gemm.py --compile-only     (no GPU needed)
 
 Shapes (K -> N): qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096. Each timing is
 the median of CUDA-graph replays of one graph that runs the matmul over enough weight copies
@@ -15,6 +16,7 @@ Methods:
   triton+quant      int8_linear: quantize_int8_per_token + int8_gemm (what the layer runs now)
   triton gemm       int8_gemm on already-quantized activations
   triton tma        int8_gemm with the table's tile on the TMA kernel (M > 256)
+  triton tma ws     the TMA kernel, 128x256x128 tiles, warp-specialized (M > 256; see WS_CONFIG)
 TFLOP/s counts 2*M*N*K; "x bf16" is the ratio to bf16's time (higher is faster).
 
 --check: the kernels against exact references on the GPU at every shape and M (quantization bit for
@@ -22,6 +24,8 @@ TFLOP/s counts 2*M*N*K; "x bf16" is the ratio to bf16's time (higher is faster).
          bf16 rounding of the fp32 epilogue), and once through CUDA-graph replays (split-K counters).
 --sweep: tile configurations per shape at --sweep-m (default 256,1024,4096,16384), best first, and the
          best per shape and M at the end.
+--compile-only: every variant compiled for sm_90a without a GPU (stand-in driver), with its
+         registers, spills and shared memory; FAIL lines for what does not compile.
 """
 from __future__ import annotations
 
@@ -106,15 +110,19 @@ def method_fns(method: str, x: torch.Tensor, xq, ws, int_mm) -> list:
         return [lambda w=w: G.int8_linear(x, w[0], w[1]) for w in ws]
     if method == "triton gemm":
         return [lambda w=w: G.int8_gemm(xq[0], xq[1], w[0], w[1]) for w in ws]
-    if method == "triton tma":
+    if method in ("triton tma", "triton tma ws"):
         M, K = x.shape
         cfg = G.default_int8_config(M, ws[0][0].shape[0], K)
-        cfg = G.Int8Config(**{**cfg.__dict__, "tma": True})
+        cfg = G.Int8Config(**{**cfg.__dict__, "tma": True}) if method == "triton tma" else WS_CONFIG
         return [lambda w=w: G.int8_gemm(xq[0], xq[1], w[0], w[1], config=cfg) for w in ws]
     raise ValueError(method)
 
 
-METHODS = ("bf16", "int_mm path", "triton+quant", "triton gemm", "triton tma")
+METHODS = ("bf16", "int_mm path", "triton+quant", "triton gemm", "triton tma", "triton tma ws")
+# Triton only overlaps consecutive wgmma groups for fp32 accumulators: an int32 dot waits for its
+# MMAs every K step. With warp specialization (num_warps=4 here: two 4-warp MMA groups + a loader)
+# one MMA group's wait is covered by the other's MMAs.
+WS_CONFIG = G.Int8Config(128, 256, 128, num_warps=4, num_stages=3, tma=True, warp_spec=True)
 
 
 def run_table(ms_list, compiled: bool):
@@ -131,7 +139,7 @@ def run_table(ms_list, compiled: bool):
             flop = 2 * M * N * K
             base = None
             for method in METHODS:
-                if method == "triton tma" and (M <= 256 or not G.tma_supported(xq[0], wq[0][0])):
+                if method.startswith("triton tma") and (M <= 256 or not G.tma_supported(xq[0], wq[0][0])):
                     continue
                 try:
                     ms = graph_ms(method_fns(method, x, xq, wb if method == "bf16" else wq, int_mm))
@@ -258,21 +266,22 @@ SMEM_LIMIT = 227 * 1024
 
 def sweep_configs(M: int) -> list:
     tiles = [(64, 128, 128), (64, 256, 128), (128, 128, 128), (128, 256, 128), (256, 128, 128),
-             (128, 128, 256), (64, 128, 256)]
+             (128, 128, 256), (64, 128, 256), (128, 256, 256)]
     out = []
     for bm, bn, bk in tiles:
         if bm > max(64, 2 * M):
             continue
         for warps in (4, 8):
-            if bm * bn // (warps * 32) > 128:  # int32 accumulator registers per thread
-                continue
-            for stages in (3, 4):
-                if stages * (bm + bn) * bk > SMEM_LIMIT - 8192:
+            for stages in (2, 3, 4):
+                if stages * (bm + bn) * bk > SMEM_LIMIT - 8192 or (stages == 2) != (bk == 256 and bn == 256):
                     continue
-                for tma in (False, True):
-                    if tma and bk > 128:
+                for tma, ws in ((False, False), (True, False), (True, True)):
+                    # warp specialization applies at 4 warps (two MMA groups of 4 + a loader); the
+                    # int32 accumulator registers per thread of an MMA warp must stay <= 128
+                    mma_warps = 8 if ws else warps
+                    if (ws and warps != 4) or bm * bn // (mma_warps * 32) > 128 or (tma and bk > 128):
                         continue
-                    out.append(G.Int8Config(bm, bn, bk, num_warps=warps, num_stages=stages, tma=tma))
+                    out.append(G.Int8Config(bm, bn, bk, num_warps=warps, num_stages=stages, tma=tma, warp_spec=ws))
     return out
 
 
@@ -309,6 +318,40 @@ def sweep(ms_list):
             f"(default {flop / (d * 1e-3) / 1e12:7.1f})")
 
 
+def compile_only(ms_list) -> int:
+    """Every kernel variant the table, --check and --sweep launch, compiled for sm_90a on this
+    machine (no GPU needed: benchmarks/quant_kernels_compile.py's stand-in driver); prints registers,
+    spills and shared memory per variant."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import quant_kernels_compile as QC
+    compiled: list = []
+    QC.install_fake_sm90_driver(compiled)
+    jobs = []
+    for name, (K, N) in SHAPES.items():
+        w, ws = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
+        for M in sorted(set(ms_list) | {1, 16, 33, 100}):
+            x, q, s = torch.empty(M, K, dtype=torch.bfloat16), torch.empty(M, K, dtype=torch.int8), torch.empty(M, 1)
+            cfgs = [G.default_int8_config(M, N, K)] + (sweep_configs(M) + [WS_CONFIG] if M > 256 else [])
+            jobs.append((f"quant {name} M={M}", lambda x=x: G.quantize_int8_per_token(x)))
+            jobs += [(f"{name} M={M} {c.describe()}", lambda q=q, s=s, w=w, ws=ws, c=c: G.int8_gemm(q, s, w, ws, config=c))
+                     for c in cfgs]
+    seen, failures = set(), 0
+    for what, fn in jobs:
+        before = len(compiled)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            failures += 1
+            log(f"FAIL {what}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        for k in compiled[before:]:
+            if k is not None and k.hash not in seen:
+                seen.add(k.hash)
+                log(f"{what:48s} warps={k.metadata.num_warps} smem={k.metadata.shared} {QC.resources(k, None)}")
+    log(f"{len(seen)} variants compiled, {failures} failures")
+    return failures
+
+
 def parse_ms(s: str) -> list[int]:
     try:
         ms = [int(v) for v in s.split(",") if v.strip()]
@@ -326,9 +369,13 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="tile sweep instead of the table")
     ap.add_argument("--sweep-m", default="256,1024,4096,16384")
     ap.add_argument("--no-compile", action="store_true", help="time the int_mm path as eager torch ops")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="no GPU: compile every variant for sm_90a and print registers / spills / smem")
     args = ap.parse_args(argv)
     ms_list = parse_ms(args.m)
     sweep_ms = parse_ms(args.sweep_m)
+    if args.compile_only:
+        raise SystemExit(1 if compile_only(ms_list) else 0)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/int8_gemm.py needs a CUDA GPU")
     log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -85,6 +85,7 @@ CONFIGS = {
     "pointers": G.Int8Config(32, 32, 64, num_warps=4),
     "pointers_bk128": G.Int8Config(16, 64, 128, group_m=2),
     "tma": G.Int8Config(32, 32, 32, tma=True),
+    "tma_ws": G.Int8Config(32, 32, 32, num_warps=4, tma=True, warp_spec=True),
 }
 
 

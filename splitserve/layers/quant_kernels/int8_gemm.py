@@ -170,7 +170,7 @@ def _int8_gemm_kernel(
 def _int8_gemm_tma_kernel(
     a_desc, a_scale_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_om, stride_as,
-    HAS_BIAS: tl.constexpr, RAW_INT32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RAW_INT32: tl.constexpr, WARP_SPEC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # The descriptors' boxes are [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; TMA fills the parts
@@ -180,7 +180,7 @@ def _int8_gemm_tma_kernel(
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPEC):
         a = a_desc.load([off_m, k0])
         w = w_desc.load([off_n, k0])
         acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
@@ -200,10 +200,12 @@ class Int8Config:
     num_stages: int = 4
     group_m: int = 8
     tma: bool = False
+    warp_spec: bool = False  # TMA kernel only: Triton's warp specialization (loader and MMA warps)
 
     def describe(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
-        return s + (f" split{self.split_k}" if self.split_k > 1 else "") + (" tma" if self.tma else "")
+        return (s + (f" split{self.split_k}" if self.split_k > 1 else "") + (" tma" if self.tma else "")
+                + (" ws" if self.warp_spec else ""))
 
 
 # (largest M, config) in increasing M; None = the few-token rule in default_int8_config. Hopper
@@ -293,6 +295,8 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
         w_s = w_scale.reshape(-1).to(torch.float32).expand(N).contiguous()
     bias_arg = bias if bias is not None else out
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if cfg.warp_spec and not cfg.tma:
+        raise ValueError("warp specialization is a TMA-kernel option (tma=True)")
     if cfg.tma:
         if cfg.split_k > 1:
             raise ValueError("the TMA kernel has no split-K")
@@ -303,7 +307,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
         w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
         _int8_gemm_tma_kernel[(num_tiles,)](
             a_desc, x_s, w_desc, w_s, bias_arg, out, M, N, K, out.stride(0), stride_as,
-            HAS_BIAS=bias is not None, RAW_INT32=raw,
+            HAS_BIAS=bias is not None, RAW_INT32=raw, WARP_SPEC=cfg.warp_spec,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
