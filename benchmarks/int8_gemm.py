@@ -222,7 +222,7 @@ def check(ms_list) -> int:
             configs = [("default", None)]
             if M > 256 and G.tma_supported(q, w):
                 cfg = G.default_int8_config(M, N, K)
-                configs.append(("tma", G.Int8Config(**{**cfg.__dict__, "tma": True})))
+                configs += [("tma", G.Int8Config(**{**cfg.__dict__, "tma": True})), ("tma ws", WS_CONFIG)]
             for label, cfg in configs:
                 raw_cfg = cfg or G.default_int8_config(M, N, K)
                 raw_cfg = G.Int8Config(**{**raw_cfg.__dict__, "split_k": 1})

@@ -160,6 +160,10 @@ def test_layer_gpu_matmul_matches_its_emulation(activations, gen):
     want = method.emulated_matmul(layer, x)
     assert got.shape == (9, 72) and got.dtype == x.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # as the engine's compiled decoder layers see it: one opaque op, any token count
+    compiled = torch.compile(lambda t: method.gpu_matmul(layer, t), backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (9, 4):
+        torch.testing.assert_close(compiled(x[:m]), got[:m], rtol=0, atol=0)
 
 
 def test_bad_inputs_raise_value_errors(gen):
