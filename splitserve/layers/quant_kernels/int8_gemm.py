@@ -121,6 +121,7 @@ def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 def _scaled_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, stride_as, w_scale_ptr, bias_ptr, out_ptr,
                      stride_om, part_ptr, count_ptr, tile_id, pid_k, num_splits,
                      HAS_BIAS: tl.constexpr, RAW_INT32: tl.constexpr, USE_SPLIT_K: tl.constexpr):
+    offs_m = offs_m.to(tl.int64)  # row * stride_om passes 2^31 beyond ~75k tokens of a 28672-wide output
     if RAW_INT32:  # the exact accumulator, for tests and --check (never with split-K)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
