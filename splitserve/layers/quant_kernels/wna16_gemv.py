@@ -17,15 +17,21 @@ along N), turns every value into an fp32 with integer ops only, and multiplies i
   -sum_j x_j * (OFF_j + zero) (symmetric) or -sum_j x_j * OFF_j (zero points, whose
   zero * sum(x) term is taken off once per tile and column). p_j >= 11 keeps the rounding of
   those large intermediates (at most 4096 * |x|) ~1e-4 relative to the result, well below bf16.
-- The x values of a word row are loaded once per tile and shared by every column a thread holds;
-  the group scale (and zero point) are applied once per tile and column, after the tile's K rows
-  are summed (BLOCK_K divides G, so a tile lies in one group).
-- With BLOCK_N = 128 * num_warps each warp holds whole columns (4 per thread, all the tile's K rows),
-  so that sum stays inside the thread; other shapes are valid but reduce across threads.
+- x is read as 32-bit pairs of 16-bit values (a bf16 becomes an fp32 with one shift or AND), once
+  per word row and tile, and shared by all the columns a thread holds; the group scale (and zero
+  point) are applied once per tile and column, after the tile's word rows are summed (BLOCK_K
+  divides G, so a tile lies in one group). Act-order (perm) gathers x value by value.
+- Tiles are 3-D, [BLOCK_M, word rows, BLOCK_N]: with BLOCK_N a multiple of 128 * num_warps every
+  thread holds BLOCK_N / (32 * num_warps) whole columns (16-byte loads, 4 columns each) and that
+  sum stays inside the thread; other shapes are valid but reduce across warps.
+- Cost on sm_90 (SASS of the main loop, int4, one token): ~24-26 instructions per 32-bit word
+  with 8-16 columns per thread, of which 8 FFMA, 8 LOP3, 3 shifts, 1 FADD; about +20 per extra
+  row of x (the FFMAs are per row, the unpacking is shared), so the tl.dot kernel takes over
+  after a few tokens (WNA16_GEMV_MAX_M in wna16_gemm.py).
 
 The grid is N tiles x split-K slices, finished in the same launch by _split_k.py's counters (the
-first call must be eager, before CUDA-graph capture). M <= 8 rows, all in one program (the FFMA
-count grows with M while the unpacking is shared; past a few tokens the tl.dot kernel wins).
+first call must be eager, before CUDA-graph capture). At most GEMV_MAX_ROWS rows of x, all in one
+program.
 """
 from __future__ import annotations
 
@@ -191,14 +197,20 @@ def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, pro
     return split
 
 
-def default_gemv_config(M: int, N: int, K: int, bits: int, group_size: int, num_sms: int = 132) -> WNA16GemvConfig:
-    """Tile choice before the H100 sweep (from the sm_90 SASS: ~24-26 instructions per int4 word at
-    one token with 8 columns per thread, ~30 with 4): 2 warps, 8 columns per thread (BLOCK_N 512)
-    for wide layers at 1-2 tokens, else 4 (BLOCK_N 256, fewer registers per extra row of x); K
-    tiles of up to 64 values within a group; split-K for ~4 programs per SM."""
-    block_k = gemv_block_k(group_size, bits, 64)
-    block_n = 512 if (M <= 2 and N >= 16384) else 256
-    return WNA16GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms), 2)
+def default_gemv_config(M: int, N: int, K: int, bits: int, group_size: int, has_zero: bool = False,
+                        num_sms: int = 132) -> WNA16GemvConfig:
+    """Tile choice before an H100 sweep, from the sm_90 SASS of the 8B shapes (main loop):
+    - 8 columns per thread (BLOCK_N = 256 * num_warps): ~25 instructions per int4 word at one token
+      against ~30 with 4 (x's loads and offsets are shared by a thread's columns); 4 at 5-8 tokens.
+    - word rows per tile 8 at 1-2 tokens, 4 up to 4 tokens (2 with zero points), 2 above: each
+      row of x holds its own FFMA chains in registers, and bigger tiles spill.
+    - 2 warps for wide layers, 1 for narrow ones (N 4096: more N tiles, fewer split-K partials);
+      split-K for ~3 programs per SM."""
+    word_rows = 8 if M <= 2 else (2 if has_zero else 4) if M <= 4 else 2
+    block_k = gemv_block_k(group_size, bits, word_rows * (32 // bits))
+    num_warps = 2 if N >= 16384 else 1
+    block_n = (256 if M <= 4 else 128) * num_warps
+    return WNA16GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, 3.0), num_warps)
 
 
 def gemv_block_k(group_size: int, bits: int, cap: int) -> int:
@@ -233,7 +245,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or default_gemv_config(M, N, K, bits, group_size, num_sms(x.device))
+    cfg = config or default_gemv_config(M, N, K, bits, group_size, zeros is not None, num_sms(x.device))
     P = 32 // bits
     if group_size % cfg.block_k or cfg.block_k % P or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"block_k={cfg.block_k} must be a power of two dividing group_size={group_size} "
