@@ -307,7 +307,8 @@ def split_for(M, N, K, bm, bn, bk, waves, sms=132):
 def gemv_sweep_configs(M: int, K: int, N: int):
     """GEMV tiles: (BLOCK_N, warps) gives the columns per thread (BLOCK_N / (32 * warps): 4, 8 or 16),
     BLOCK_K the word rows (warps past BLOCK_N / 128 split the K rows and reduce through shared
-    memory); words per thread <= 128 / M (the sm_90 compile spills past that at 4 tokens)."""
+    memory); words per thread <= 128 / M (the sm_90 compile spills past that at 4 tokens), and
+    <= 64 / M with the next tile prefetched into registers."""
     out = []
     for bn, warps in ((256, 2), (512, 2), (512, 4), (1024, 4), (1024, 2), (256, 1), (256, 4)):
         for bk in (32, 64, 128):
@@ -315,7 +316,10 @@ def gemv_sweep_configs(M: int, K: int, N: int):
             if words > 128 // M:
                 continue
             for per_sm in (2, 4, 8):
-                out.append(GEMV.WNA16GemvConfig(bn, bk, GEMV.gemv_split_for(N, K, bn, bk, 132, per_sm), warps))
+                split = GEMV.gemv_split_for(N, K, bn, bk, 132, per_sm)
+                out.append(GEMV.WNA16GemvConfig(bn, bk, split, warps))
+                if words <= 64 // M:  # register prefetch doubles the words held (spills past this)
+                    out.append(GEMV.WNA16GemvConfig(bn, bk, split, warps, prefetch=True))
     return list(dict.fromkeys(out))
 
 

@@ -68,6 +68,13 @@ def test_gemv_act_order(bits, asym, dtype):
     run_and_check(3, 80, 256, bits, 64, asym, dtype, perm=True, config=SPLIT3)
 
 
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16)])
+def test_gemv_prefetch(bits, dtype):
+    # the next K tile's words loaded ahead: the last tile of each slice must not read past it
+    cfg = V.WNA16GemvConfig(block_n=32, block_k=32, split_k=3, num_warps=1, prefetch=True)
+    run_and_check(2, 80, 256, bits, 64, True, dtype, bias=True, config=cfg)
+
+
 def test_gemv_eight_rows_even_n_no_split():
     # N a multiple of block_n (unmasked loads), one K slice (no split-K), the most rows allowed
     run_and_check(8, 64, 128, 4, 32, True, torch.bfloat16,

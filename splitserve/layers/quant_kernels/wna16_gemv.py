@@ -106,7 +106,7 @@ def _wna16_gemv_kernel(
     M, N, k_per_split, num_splits, K, stride_xm, stride_om, opaque_zero,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     P: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // P  # word rows per tile
@@ -130,9 +130,18 @@ def _wna16_gemv_kernel(
     # (compile-time offsets, so every pair load is one LDG with an immediate offset)
     x32_rows = x32_ptr + offs_m * (stride_xm // 2) + rows_w * (P // 2)  # [BLOCK_M, KW, 1]
     acc = tl.zeros([BLOCK_M, 1, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        words_next = tl.load(w_ptrs, mask=mask_n, other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
-        words = tl.load(w_ptrs, mask=mask_n, other=0)
-        w_ptrs += KW * N
+        if PREFETCH:
+            # the next tile's words are requested before this tile's arithmetic (in registers, not
+            # through shared memory), so a program keeps loads in flight while it computes
+            words = words_next
+            w_ptrs += KW * N
+            words_next = tl.load(w_ptrs, mask=mask_n & (k0 + BLOCK_K < k_end), other=0)
+        else:
+            words = tl.load(w_ptrs, mask=mask_n, other=0)
+            w_ptrs += KW * N
         g_row = (k0 // GROUP) * N
         s = tl.load(s_ptr + g_row + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [1, 1, BLOCK_N]
         k_words = k0 + rows_w * P  # packed K index of each word row's first value
@@ -183,6 +192,7 @@ class WNA16GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False  # load the next K tile's words before this tile's arithmetic
 
 
 def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, programs_per_sm: float = 4.0,
@@ -271,7 +281,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EVEN_N=N % cfg.block_n == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_SPLIT_K=use_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, USE_SPLIT_K=use_split, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
