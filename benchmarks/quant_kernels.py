@@ -254,7 +254,9 @@ def check(ms_list) -> int:
                     for wi, bits in ((i4, 4), (i8, 8)):
                         b = bias.to(dtype)
                         ref = R.wna16_gemm_ref(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP, bias=b)
-                        cfgs = [None, GEMV.WNA16GemvConfig(256, 128, GEMV.gemv_split_for(N, K, 256, 128, 132, 2), 2)]
+                        bk = 128 if M <= 2 else 32  # the second: 4 columns per thread, prefetch up to 2 rows
+                        cfgs = [None, GEMV.WNA16GemvConfig(256, bk, GEMV.gemv_split_for(N, K, 256, bk, 132, 2), 2,
+                                                           prefetch=M <= 2)]
                         for cfg in cfgs:
                             out = GEMV.wna16_gemv(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP,
                                                   bias=b, config=cfg)

@@ -281,7 +281,8 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EVEN_N=N % cfg.block_n == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_SPLIT_K=use_split, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, USE_SPLIT_K=use_split, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
