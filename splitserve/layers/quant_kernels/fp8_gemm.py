@@ -400,6 +400,22 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     return out.reshape(*lead, N)
 
 
+def fp8_linear_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear for activations the caller quantized per token (q float8_e4m3fn [M, K], s fp32
+    [M, 1], as reference.fp8_quantize_ref makes them): the Triton kernel up to FP8_TRITON_MAX_M
+    tokens, torch._scaled_mm above, the torch reference off CUDA. Per-tensor or per-channel weight
+    scales only (block-scaled weights quantize activations per group)."""
+    from splitserve.layers.quant_kernels import reference
+
+    _check_2d("q", q)
+    if q.device.type != "cuda":
+        return reference.fp8_gemm_ref(q, s, w, w_scale, bias, out_dtype)
+    if q.shape[0] <= FP8_TRITON_MAX_M:
+        return fp8_gemm(q, s, w, w_scale, bias, out_dtype=out_dtype)
+    return scaled_mm_linear(q, s, w, w_scale, bias, out_dtype)
+
+
 def scaled_mm_linear(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm (cuBLASLt) with row-wise scales; M is padded to a multiple of 16 if needed."""

@@ -19,7 +19,9 @@ dequantized and multiplied in float32 (what the checkpoint's own library compute
 `Fp8LinearMethod.gpu_matmul` is where the GPU matmul is chosen: dynamic per-token activations with
 per-channel (or per-shard) weight scales go to `quant_kernels.fp8_linear` (our split-K Triton kernel
 for few tokens, torch._scaled_mm for many), as a custom op so that torch.compile treats it as one
-opaque call; static activation scales use torch._scaled_mm directly.
+opaque call; static activation scales use torch._scaled_mm directly. Inside a compiled graph the
+per-token quantization is written in torch ops before the op (`fp8_linear_quantized`), so Inductor
+fuses it into whatever produced the activations.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear
+from splitserve.layers.quant_kernels import reference
+from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear, fp8_linear_quantized
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
                                                  register_param, replace_param, same_method)
@@ -183,6 +186,11 @@ class Fp8LinearMethod(LinearMethod):
         over their shards' features at load, exactly). Dynamic per-token activations go to our
         kernels (fp8_linear_op), which quantize few-token inputs per 128-input group inside the GEMM."""
         if self.scheme.activations == "token" and x.dtype in (torch.bfloat16, torch.float16):
+            if torch.compiler.is_compiling():
+                # Quantized here in plain torch ops, which Inductor fuses into the kernel that made x
+                # (the RMSNorm, the silu·mul): no quantization launch and no second read of x.
+                q, scale = reference.fp8_quantize_ref(x)
+                return fp8_linear_quantized_op(q, scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
             return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.bias)
         q, scale = self.quantize_input(layer, x)
         scale_a = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous() if self.scheme.activations == "static" else scale
@@ -209,6 +217,17 @@ def fp8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 @fp8_linear_op.register_fake
 def _(x, w, w_scale, bias):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("splitserve::fp8_linear_quantized", mutates_args=())
+def fp8_linear_quantized_op(q: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_linear_quantized(q, scale, w, w_scale, bias, out_dtype)
+
+
+@fp8_linear_quantized_op.register_fake
+def _(q, scale, w, w_scale, bias, out_dtype):
+    return q.new_empty((q.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 # -- the "fp8" quantization config ------------------------------------------------------------------
