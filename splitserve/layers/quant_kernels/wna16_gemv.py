@@ -118,7 +118,10 @@ def _wna16_gemv_kernel(
     # expanded to 3-D was converted through shared memory in every K step.
     offs_m = tl.arange(0, BLOCK_M)[:, None, None]
     rows_w = tl.arange(0, KW)[None, :, None]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
+    # Contiguity capped at 4 columns: the 16-bit scale and 8-bit zero loads then get the words'
+    # layout (4 columns per thread, repeated every 128 * num_warps), not 8 or 16 contiguous ones,
+    # which converted each tile's sums through shared memory (STS/BAR/LDS in the K loop).
+    offs_n = pid_n * BLOCK_N + tl.max_contiguous(tl.arange(0, BLOCK_N), 4)[None, None, :]
     mask_m = offs_m < M
     # without a partial N tile the loads are unmasked (a masked 16-byte load also zeroes its registers)
     mask_n = (offs_n < N) | EVEN_N
