@@ -37,6 +37,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -226,7 +227,11 @@ def check(ms_list) -> int:
             for label, cfg in configs:
                 raw_cfg = cfg or G.default_int8_config(M, N, K)
                 raw_cfg = G.Int8Config(**{**raw_cfg.__dict__, "split_k": 1})
-                acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=raw_cfg)
+                try:
+                    acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=raw_cfg)
+                except OutOfResources as e:  # a variant's tiles (an int32 output tile staged for TMA) too big
+                    log(f"{name} M={M} {label}: skipped, {e}")
+                    continue
                 if not torch.equal(acc, acc_ref):
                     fail(f"{name} M={M} {label}: int32 accumulator differs in {(acc != acc_ref).sum().item()} values")
                 for b in (None, bias):

@@ -41,8 +41,9 @@ WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
 # Up to WNA16_GEMV_MAX_M tokens wna16_linear takes the GEMV kernel (wna16_gemv.py: no tensor cores,
 # no padding of x to 16 rows). Its FFMAs grow with the token count while the dot kernel's work does
-# not; the crossover is to be set from the H100 sweep (benchmarks/quant_kernels.py --sweep).
-WNA16_GEMV_MAX_M = 4
+# not: on the H100 sweep (best tiles per shape, 8B layers) the GEMV took 2.12 / 2.61 / 4.31 ms at
+# 1 / 2 / 4 tokens against ~3.2-3.4 ms for the dot kernel, so it stops at 2.
+WNA16_GEMV_MAX_M = 2
 
 # 16-bit float whose mantissa holds q exactly when q is OR-ed into its low bits: (bit pattern, value)
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}

@@ -210,15 +210,38 @@ def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, pro
     return split
 
 
+def _swept_int4_config(M: int, N: int, K: int, group_size: int) -> WNA16GemvConfig | None:
+    """The H100 sweep's best tiles for int4 at 1-2 tokens on the 8B shapes (BENCHMARKS.md, fourteenth
+    session), as rules by shape: wide layers (gate_up, N >= 16384), deep ones (down, K >= 8192), the
+    rest (qkv, o). Splits are capped at the K tiles there are."""
+    if M == 1:
+        block_n, block_k, split, warps, prefetch = ((256, 128, 16, 1, False) if N >= 16384 else
+                                                    (256, 64, 32, 2, True) if K >= 8192 else
+                                                    (256, 128, 16, 4, False))
+    elif M == 2:
+        block_n, block_k, split, warps, prefetch = ((512, 32, 16, 4, True) if N >= 16384 else
+                                                    (512, 32, 32, 4, True) if N >= 6144 and K < 8192 else
+                                                    (256, 32, 32, 2, True))
+    else:
+        return None
+    block_k = gemv_block_k(group_size, 4, block_k)
+    return WNA16GemvConfig(block_n, block_k, max(1, min(split, triton.cdiv(K, block_k))), warps, prefetch=prefetch)
+
+
 def default_gemv_config(M: int, N: int, K: int, bits: int, group_size: int, has_zero: bool = False,
                         num_sms: int = 132) -> WNA16GemvConfig:
-    """Tile choice before an H100 sweep, from the sm_90 SASS of the 8B shapes (main loop):
+    """int4 without zero points at 1-2 tokens: the H100 sweep's tiles (_swept_int4_config; at one
+    token they took the 8B layers from 3.07 ms with the rules below to 2.12 ms). Otherwise the tile
+    choice before that sweep, from the sm_90 SASS of the 8B shapes (main loop):
     - 8 columns per thread (BLOCK_N = 256 * num_warps): ~25 instructions per int4 word at one token
       against ~30 with 4 (x's loads and offsets are shared by a thread's columns); 4 at 5-8 tokens.
     - word rows per tile 8 at 1-2 tokens, 4 up to 4 tokens (2 with zero points), 2 above: each
       row of x holds its own FFMA chains in registers, and bigger tiles spill.
     - 2 warps for wide layers, 1 for narrow ones (N 4096: more N tiles, fewer split-K partials);
       split-K for ~3 programs per SM."""
+    swept = _swept_int4_config(M, N, K, group_size) if bits == 4 and not has_zero else None
+    if swept is not None:
+        return swept
     word_rows = 8 if M <= 2 else (2 if has_zero else 4) if M <= 4 else 2
     block_k = gemv_block_k(group_size, bits, word_rows * (32 // bits))
     num_warps = 2 if N >= 16384 else 1
