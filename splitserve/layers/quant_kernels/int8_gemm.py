@@ -27,6 +27,7 @@ row), q = clamp(round_half_even(x / s), -128, 127), with true divisions.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -213,6 +214,10 @@ class Int8Config:
 # guesses to be confirmed by benchmarks/int8_gemm.py --sweep: 128-row tiles with 128-byte K tiles
 # (one 128B-swizzled smem row per tile row), 8 warps for the 128x256 int32 accumulator (128
 # registers a thread), 3 stages of 48 KiB.
+# Above this many tokens the table's tile is loaded by TMA where the tensors allow it (K % 16 == 0,
+# aligned, sm90): 1000 x 1024/128 on the 8B shape went from 37,234 to 39,766 tok/s on one H100.
+INT8_TMA_MIN_M = 256
+
 INT8_CONFIG_TABLE: list[tuple[int, Int8Config | None]] = [
     (64, None),
     (256, Int8Config(64, 128, 128, num_warps=4, num_stages=4)),
@@ -286,6 +291,8 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
     x_q = x_q if x_q.stride(1) == 1 else x_q.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     cfg = config or default_int8_config(M, N, K, num_sms(x_q.device))
+    if config is None and M > INT8_TMA_MIN_M and not raw and tma_supported(x_q, w):
+        cfg = dataclasses.replace(cfg, tma=True)
     if raw:
         x_s = w_s = out
         stride_as = 0
