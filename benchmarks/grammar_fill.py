@@ -10,7 +10,12 @@ picks from them), then the batch fill by thread count against one-by-one fills (
 the per-mask cost of the schema, on one thread) and against a pool of threads that each take the next
 matcher from a shared counter (dynamic assignment: a matcher slower to fill holds up only its own
 thread; it shows whether the batch fill's scaling is lost to an uneven split). The matchers start
-alike and then follow random allowed tokens, so they drift into different states.
+alike and then follow random allowed tokens, so they drift into different states; each variant has
+matchers of its own following the same tokens (every fill is the first in its state, as in the
+engine) and must give the same masks. Besides the medians it prints the spread of one mask's cost
+and, per thread count, the floor: the step's one-by-one masks shared out perfectly, never less than
+its slowest mask. xgrammar's batch fill starts its threads anew on every call (one clone per
+thread), a fixed cost that cheap masks do not repay.
 --mode core: how long the engine core's thread is held per step by the grammar work, the fill in a
 grammar process (the default; structured_output/process_manager.py) against the fill on the core's
 thread ("inline"), through the managers the core uses and in the core's order: the step's tokens and
@@ -105,11 +110,13 @@ def threads_mode(args) -> None:
     V = args.vocab_size
     compiled = compile_schema(tok, V, SCHEMAS[args.schema])
     rng = random.Random(0)
-    matchers = [xgr.GrammarMatcher(compiled) for _ in range(args.requests)]
-    bitmask = torch.empty((args.requests, -(-V // 32)), dtype=torch.int32)
     counts = sorted(set(args.threads) | {engine_threads})
     variants = {"one by one": None, **{f"batch, {t} threads": t for t in counts}, "batch, auto": "auto",
                 **{f"dynamic, {t} threads": ("dynamic", t) for t in counts if t > 1}}
+    # Each variant fills matchers of its own, all following the same tokens: every fill is the first
+    # in its state, as in the engine (a second fill of a state can be cheaper).
+    matchers = {name: [xgr.GrammarMatcher(compiled) for _ in range(args.requests)] for name in variants}
+    bitmasks = {name: torch.empty((args.requests, -(-V // 32)), dtype=torch.int32) for name in variants}
     fillers = {}
     for name, v in variants.items():
         if isinstance(v, tuple):
@@ -120,12 +127,13 @@ def threads_mode(args) -> None:
     singles, floors = [], {t: [] for t in counts}  # each mask's time; a step's least possible time on t threads
     for _ in range(args.steps):
         for name in variants:
+            ms, bitmask = matchers[name], bitmasks[name]
             t0 = time.perf_counter()
             if name in fillers:
-                fillers[name](matchers, bitmask)
+                fillers[name](ms, bitmask)
             else:
                 step = []
-                for i, m in enumerate(matchers):
+                for i, m in enumerate(ms):
                     t1 = time.perf_counter()
                     m.fill_next_token_bitmask(bitmask, i)
                     step.append(time.perf_counter() - t1)
@@ -133,10 +141,14 @@ def threads_mode(args) -> None:
                 for t in counts:  # perfectly shared out, a step still waits for its slowest mask
                     floors[t].append(max(max(step), sum(step) / t))
             times[name].append(time.perf_counter() - t0)
-        bits = ((bitmask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :V]
-        for i, m in enumerate(matchers):  # advance each by a random allowed token
+        ref = bitmasks["one by one"]
+        assert all(torch.equal(b, ref) for b in bitmasks.values()), "a fill variant gave other masks"
+        bits = ((ref[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :V]
+        for i in range(args.requests):  # advance each by a random allowed token
             ids = bits[i].nonzero().flatten().tolist()
-            assert m.accept_token(ids[rng.randrange(len(ids))])
+            token = ids[rng.randrange(len(ids))]
+            for ms in matchers.values():
+                assert ms[i].accept_token(token)
     one = statistics.median(times["one by one"])
     print(f"schema {args.schema}: {1e3 * one / args.requests:.3f} ms per mask on one thread (median step)")
     q = statistics.quantiles(singles, n=100)
