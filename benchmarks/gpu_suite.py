@@ -5,6 +5,7 @@
     ... [--tensor-parallel-size 2] [--config benchmarks/configs/llama3-70b]  # several GPUs, another shape
     ... --config benchmarks/configs/qwen3-8b  # another family (gemma2-9b; mixtral-8x7b needs an H200)
     ... [--kv-cache-dtype fp8]  # both: an FP8 KV cache (the check's torch_ref reference uses one too)
+    ... --config benchmarks/configs/llama3-8b-gptq-int4  # a checkpoint's format: W4A16 (llama3-8b-w8a8-int8: INT8)
 
 Benchmarks use the Llama-3-8B-shaped config in benchmarks/configs/llama3-8b (or --config) with random
 bf16 weights, token-id prompts and ignore_eos (fixed output lengths); a fresh prompt seed per run so

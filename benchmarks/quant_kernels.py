@@ -7,13 +7,15 @@ LM head 4096->128256 in bf16, every layer with its own weights (nothing served f
 one CUDA graph per method and token count M, median of replays. Methods: bf16 F.linear; FP8 per-channel
 weights with torch._scaled_mm (x already quantized, and with the per-token quantization kernel);
 fp8_gemm in its activation modes (group: quantized in the kernel; token: quantization launch + kernel;
-none: W8A16); fp8_linear (the dispatcher); int4 group-128: aten._weight_int4pack_mm and wna16_gemm /
-wna16_linear. Each row gives ms per step, % of the bandwidth limit (weight + activation bytes at the
+none: W8A16); fp8_linear (the dispatcher); int4 group-128: aten._weight_int4pack_mm, wna16_gemm (tl.dot
+split-K kernel), wna16_gemv (the decode GEMV, up to 8 tokens) and wna16_linear. Each row gives ms per step, % of the bandwidth limit (weight + activation bytes at the
 measured copy bandwidth) and TFLOP/s.
 
---check: every kernel against the torch reference on fresh random inputs at every shape and M,
-         and once through CUDA-graph replays (split-K counters). Prints FAIL lines.
---sweep: tile configurations per shape at M = 1, 16, 64 (compiled in parallel first), best first.
+--check: every kernel against the torch reference on fresh random inputs at every shape and M
+         (the GEMV also at M = 1, 2, 4, 8, int4 with zero points / int8, bf16 / fp16), and once
+         through CUDA-graph replays (split-K counters). Prints FAIL lines.
+--sweep: tile configurations per shape at M = 1, 16, 64 (the GEMV: 1, 2, 4, 8), compiled in parallel
+         first, best first.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ sys.path.insert(0, ROOT)
 from splitserve.layers.quant_kernels import fp8_gemm as FP8  # noqa: E402
 from splitserve.layers.quant_kernels import reference as R  # noqa: E402
 from splitserve.layers.quant_kernels import wna16_gemm as WNA  # noqa: E402
+from splitserve.layers.quant_kernels import wna16_gemv as GEMV  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 LM_HEAD = (4096, 128256)
@@ -142,6 +145,8 @@ def linear_fn(method: str, x: torch.Tensor, xq, w, name: str):
         return lambda: torch._weight_int4pack_mm(x, w[0], GROUP, w[1])
     if method == "wna16 kernel":
         return lambda: WNA.wna16_gemm(x, w[0], w[1], None, bits=4, group_size=GROUP)
+    if method == "wna16 gemv":
+        return lambda: GEMV.wna16_gemv(x, w[0], w[1], None, bits=4, group_size=GROUP)
     if method == "wna16 dequant+mm":
         return lambda: torch.mm(x, WNA.wna16_dequantize(w[0], w[1], None, bits=4, group_size=GROUP))
     if method == "wna16_linear":
@@ -152,7 +157,8 @@ def linear_fn(method: str, x: torch.Tensor, xq, w, name: str):
 METHOD_WEIGHTS = {"bf16": "bf16", "scaled_mm (x pre-quantized)": "fp8", "quant + scaled_mm": "fp8",
                   "fp8 group": "fp8", "fp8 token": "fp8", "fp8 W8A16": "fp8", "fp8_linear": "fp8",
                   "fp8_linear block": "fp8b",
-                  "int4pack_mm": "tiny", "wna16 kernel": "int4", "wna16 dequant+mm": "int4", "wna16_linear": "int4"}
+                  "int4pack_mm": "tiny", "wna16 kernel": "int4", "wna16 gemv": "int4", "wna16 dequant+mm": "int4",
+                  "wna16_linear": "int4"}
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8b": 1.0, "tiny": 0.5 + 4 / GROUP, "int4": 0.5 + 2 / GROUP}
 
 
@@ -168,6 +174,8 @@ def step_table(W: Weights, ms_list, methods, bw):
             if method == "int4pack_mm" and M > 16:
                 continue
             if method == "wna16 dequant+mm" and M < 256:
+                continue
+            if method == "wna16 gemv" and M > GEMV.GEMV_MAX_ROWS:
                 continue
             store = getattr(W, METHOD_WEIGHTS[method])
             if not store:
@@ -238,6 +246,26 @@ def check(ms_list) -> int:
             except Exception as e:  # noqa: BLE001
                 fails += 1
                 log(f"  FAIL {name} M={M}: {type(e).__name__}: {str(e)[:400]}")
+        # the decode GEMV at every token count it takes, default tiles and a second configuration
+        for M in (1, 2, 4, 8):
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+                try:
+                    for wi, bits in ((i4, 4), (i8, 8)):
+                        b = bias.to(dtype)
+                        ref = R.wna16_gemm_ref(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP, bias=b)
+                        bk = 128 if M <= 2 else 32  # the second: 4 columns per thread, prefetch up to 2 rows
+                        cfgs = [None, GEMV.WNA16GemvConfig(256, bk, GEMV.gemv_split_for(N, K, 256, bk, 132, 2), 2,
+                                                           prefetch=M <= 2)]
+                        for cfg in cfgs:
+                            out = GEMV.wna16_gemv(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP,
+                                                  bias=b, config=cfg)
+                            report(f"wna16_gemv int{bits} {str(dtype)[6:]} {name} M={M} "
+                                   f"{'default' if cfg is None else cfg}", rel(out, ref),
+                                   tol=4e-3 if dtype == torch.bfloat16 else 1e-3)
+                except Exception as e:  # noqa: BLE001
+                    fails += 1
+                    log(f"  FAIL wna16_gemv {name} M={M}: {type(e).__name__}: {str(e)[:400]}")
     # split-K under CUDA-graph replay: fresh inputs copied into the captured buffers, three replays
     K, N = SHAPES["o"]
     w = torch.randn(N, K, device="cuda", generator=gen) * 0.02
@@ -245,9 +273,12 @@ def check(ms_list) -> int:
     i4 = L.quantize_rtn(w, 4, GROUP)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     fns = {"fp8_linear": lambda: FP8.fp8_linear(x, wq, ws),
-           "wna16_linear": lambda: WNA.wna16_linear(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP)}
+           "wna16_linear": lambda: WNA.wna16_linear(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP),
+           "wna16_gemm": lambda: WNA.wna16_gemm(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP),
+           "wna16_gemv": lambda: GEMV.wna16_gemv(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP)}
     refs = {"fp8_linear": lambda: R.fp8_linear_ref(x, wq, ws, act=FP8.fp8_small_m_act(1)),
             "wna16_linear": lambda: R.wna16_gemm_ref(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP)}
+    refs["wna16_gemm"] = refs["wna16_gemv"] = refs["wna16_linear"]
     for what, fn in fns.items():
         fn()
         g = torch.cuda.CUDAGraph()
@@ -275,7 +306,28 @@ def split_for(M, N, K, bm, bn, bk, waves, sms=132):
     return split
 
 
+def gemv_sweep_configs(M: int, K: int, N: int):
+    """GEMV tiles: (BLOCK_N, warps) gives the columns per thread (BLOCK_N / (32 * warps): 4, 8 or 16),
+    BLOCK_K the word rows (warps past BLOCK_N / 128 split the K rows and reduce through shared
+    memory); words per thread <= 128 / M (the sm_90 compile spills past that at 4 tokens), and
+    <= 64 / M with the next tile prefetched into registers."""
+    out = []
+    for bn, warps in ((256, 2), (512, 2), (512, 4), (1024, 4), (1024, 2), (256, 1), (256, 4)):
+        for bk in (32, 64, 128):
+            words = (bk // 8) * bn // (32 * warps)
+            if words > 128 // M:
+                continue
+            for per_sm in (2, 4, 8):
+                split = GEMV.gemv_split_for(N, K, bn, bk, 132, per_sm)
+                out.append(GEMV.WNA16GemvConfig(bn, bk, split, warps))
+                if words <= 64 // M:  # register prefetch doubles the words held (spills past this)
+                    out.append(GEMV.WNA16GemvConfig(bn, bk, split, warps, prefetch=True))
+    return list(dict.fromkeys(out))
+
+
 def sweep_configs(kind: str, M: int, K: int, N: int):
+    if kind == "wna16_gemv":
+        return gemv_sweep_configs(M, K, N)
     bms = (16,) if M <= 16 else (32, 64)
     out = []
     for bm in bms:
@@ -297,8 +349,9 @@ def sweep_configs(kind: str, M: int, K: int, N: int):
     return list(dict.fromkeys(out))
 
 
-SWEEP_KINDS = ("fp8 group", "fp8 W8A16", "fp8 token", "wna16")
+SWEEP_KINDS = ("fp8 group", "fp8 W8A16", "fp8 token", "wna16", "wna16_gemv")
 SWEEP_M = (1, 16, 64)
+SWEEP_M_OF = {"wna16_gemv": (1, 2, 4, 8)}  # token counts per kind (SWEEP_M otherwise)
 
 
 def run_one(kind, x, w, cfg):
@@ -306,6 +359,8 @@ def run_one(kind, x, w, cfg):
         return WNA.wna16_linear(x, w[0], w[1], None, bits=4, group_size=GROUP)
     if kind == "wna16":
         return WNA.wna16_gemm(x, w[0], w[1], None, bits=4, group_size=GROUP, config=cfg)
+    if kind == "wna16_gemv":
+        return GEMV.wna16_gemv(x, w[0], w[1], None, bits=4, group_size=GROUP, config=cfg)
     if kind == "fp8 token":
         return FP8.fp8_gemm(x[0], x[1], w[0], w[1], config=cfg)
     return FP8.fp8_gemm(x, None, w[0], w[1], act=FP8_MODES[kind], config=cfg)
@@ -339,19 +394,22 @@ def precompile(ms_list, sweep_kinds, do_check: bool, workers: int):
     jobs, seen = [], set()
 
     def add(kind, name, M, cfg):
-        key = (kind, M == 1, M, None) if cfg is None else (kind, M == 1, replace(cfg, split_k=min(cfg.split_k, 2)))
+        m_key = M if kind == "wna16_gemv" else M == 1  # the GEMV compiles per BLOCK_M = next_power_of_2(M)
+        key = (kind, m_key, M, None) if cfg is None else (kind, m_key, replace(cfg, split_k=min(cfg.split_k, 2)))
         if key not in seen:
             seen.add(key)
             jobs.append((kind, name, M, cfg))
 
     for kind in sweep_kinds:
         for name, (K, N) in SHAPES.items():
-            for M in SWEEP_M:
+            for M in SWEEP_M_OF.get(kind, SWEEP_M):
                 for cfg in sweep_configs(kind, M, K, N):
                     add(kind, name, M, cfg)
     for M in ms_list:
         for name in SHAPES:
             for kind in SWEEP_KINDS + ("wna16_linear",):
+                if kind == "wna16_gemv" and M > GEMV.GEMV_MAX_ROWS:
+                    continue
                 add(kind, name, M, None)
     t0 = time.time()
     ctx = get_context("spawn")
@@ -372,8 +430,8 @@ def precompile(ms_list, sweep_kinds, do_check: bool, workers: int):
 def sweep(W: Weights, kinds):
     results = {}
     for kind in kinds:
-        store = W.int4 if kind == "wna16" else W.fp8
-        for M in SWEEP_M:
+        store = W.int4 if kind.startswith("wna16") else W.fp8
+        for M in SWEEP_M_OF.get(kind, SWEEP_M):
             for name, (K, N) in SHAPES.items():
                 gen = torch.Generator(device="cuda").manual_seed(7)
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -387,7 +445,7 @@ def sweep(W: Weights, kinds):
                     except Exception as e:  # noqa: BLE001
                         log(f"  {kind} {name} M={M} {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}")
                 timed.sort(key=lambda t: t[0])
-                bytes_ = K * N * (BYTES_PER_WEIGHT["int4"] if kind == "wna16" else 1.0)
+                bytes_ = K * N * (BYTES_PER_WEIGHT["int4"] if kind.startswith("wna16") else 1.0)
                 if timed:
                     best_ms, best = timed[0]
                     results[(kind, name, M)] = (best_ms, best)
@@ -396,7 +454,7 @@ def sweep(W: Weights, kinds):
                         + ", ".join(f"{t * 1e3:.1f}" for t, _ in timed[1:4]) + f"; worst {timed[-1][0] * 1e3:.1f}")
     log("sweep summary: per-step estimate from each shape's best config (x32 layers, LM head excluded)")
     for kind in kinds:
-        for M in SWEEP_M:
+        for M in SWEEP_M_OF.get(kind, SWEEP_M):
             tot = sum(results[(kind, n, M)][0] for n in SHAPES if (kind, n, M) in results) * W.layers
             log(f"  {kind:10s} M={M:3d}: {tot:.3f} ms  " + " ".join(
                 f"{n}={results[(kind, n, M)][1]}" for n in SHAPES if (kind, n, M) in results))

@@ -95,7 +95,7 @@ def resources(kernel, sass_dir: str | None) -> str:
     return line
 
 
-def launches(FP8, WNA, M, name, K, N):
+def launches(FP8, WNA, GEMV, M, name, K, N):
     """The launches of one shape and token count (closures over this call's tensors)."""
     x = torch.empty(M, K, dtype=torch.bfloat16)
     w8 = torch.empty(N, K, dtype=torch.float8_e4m3fn)
@@ -123,7 +123,11 @@ def launches(FP8, WNA, M, name, K, N):
             x, qw, sc, None, bits=4, group_size=128,
             config=WNA.WNA16Config(16 if M <= 16 else 64, 64, 128, 2, unpack_bcast=True))),
         (f"wna16 dequant {name}", lambda: WNA.wna16_dequantize(qw, sc, None, bits=4, group_size=128)),
-    ]
+    ] + ([
+        (f"wna16_gemv int4 {name} M={M}", lambda: GEMV.wna16_gemv(x, qw, sc, None, bits=4, group_size=128)),
+        (f"wna16_gemv int4 zp {name} M={M}", lambda: GEMV.wna16_gemv(x, qw, sc, zs, bits=4, group_size=128)),
+        (f"wna16_gemv int8 {name} M={M}", lambda: GEMV.wna16_gemv(x, qw8, sc, None, bits=8, group_size=128)),
+    ] if M <= GEMV.GEMV_MAX_ROWS else [])
 
 
 def main() -> None:
@@ -134,12 +138,13 @@ def main() -> None:
     install_fake_sm90_driver(compiled)
     from splitserve.layers.quant_kernels import fp8_gemm as FP8
     from splitserve.layers.quant_kernels import wna16_gemm as WNA
+    from splitserve.layers.quant_kernels import wna16_gemv as GEMV
 
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     jobs = []
-    for M in (1, 16, 64, 256, 2048):
+    for M in (1, 4, 16, 64, 256, 2048):
         for name, (K, N) in shapes.items():
-            jobs += launches(FP8, WNA, M, name, K, N)
+            jobs += launches(FP8, WNA, GEMV, M, name, K, N)
     seen = set()
     failures = 0
     for what, fn in jobs:

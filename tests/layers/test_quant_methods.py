@@ -12,6 +12,9 @@ from splitserve.layers.quantization.base import LinearMethod, ParamLayout, Uncla
 from splitserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.layers.quantization.fp8 import Fp8Config
+from tests import triton_interpreter_shims
+
+triton_interpreter_shims.install()  # W8A8's gpu_matmul runs Triton kernels (the interpreter on CPU)
 
 
 SHARDS = {"q": 256, "k": 128, "v": 128}
@@ -80,8 +83,8 @@ def test_merged_layer_equals_compressed_tensors_fake_quantization(preset):
 
 @pytest.mark.parametrize("preset", ("FP8", "FP8_DYNAMIC", "W8A8"))
 def test_gpu_matmul_equals_the_emulation(preset):
-    """The GPU path (torch._scaled_mm / torch._int_mm, both also on CPU) computes what the CPU
-    emulation does, up to accumulation order and the bf16 output of _scaled_mm."""
+    """The GPU path (torch._scaled_mm, also on CPU; W8A8's Triton kernels, in the interpreter on CPU)
+    computes what the CPU emulation does, up to accumulation order and the bf16 output of _scaled_mm."""
     cfg, state, _ = quantized_reference(preset, seed=11)
     layer = build_merged(cfg, state)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))

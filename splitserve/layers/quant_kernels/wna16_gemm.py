@@ -15,7 +15,8 @@ G), so they are applied to the tile's [BLOCK_M, BLOCK_N] product instead of to e
 
     sum_k x[m, k] * (q - z) * s = s * (dot(x, 128 + q) - rowsum(x) * (128 + z))
 
-For few tokens the grid is N tiles x split-K slices (finished in one launch, _split_k.py). The
+For few tokens the grid is N tiles x split-K slices (finished in one launch, _split_k.py); up to
+WNA16_GEMV_MAX_M tokens wna16_linear uses the GEMV kernel of wna16_gemv.py instead. The
 same kernel runs prefill sizes with large M tiles, but measured slower than dequantizing the weight
 to a temporary dense matrix for cuBLAS, which wna16_linear does past WNA16_SPLIT_K_MAX_M tokens.
 """
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
+from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
@@ -37,6 +39,11 @@ from splitserve.layers.quant_kernels.wna16_layout import check_canonical
 # wna16_gemm(config=...) until it is made faster.
 WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
+# Up to WNA16_GEMV_MAX_M tokens wna16_linear takes the GEMV kernel (wna16_gemv.py: no tensor cores,
+# no padding of x to 16 rows). Its FFMAs grow with the token count while the dot kernel's work does
+# not: on the H100 sweep (best tiles per shape, 8B layers) the GEMV took 2.12 / 2.61 / 4.31 ms at
+# 1 / 2 / 4 tokens against ~3.2-3.4 ms for the dot kernel, so it stops at 2.
+WNA16_GEMV_MAX_M = 2
 
 # 16-bit float whose mantissa holds q exactly when q is OR-ed into its low bits: (bit pattern, value)
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -249,6 +256,13 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
+def wna16_route(M: int) -> str:
+    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k" or "dequant"."""
+    if M <= WNA16_GEMV_MAX_M:
+        return "gemv"
+    return "split_k" if M < WNA16_DEQUANT_MIN_M else "dequant"
+
+
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  *, bits: int, group_size: int, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,7 +276,9 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.device.type != "cuda":
         out = reference.wna16_gemm_ref(x2, qweight, scales, zeros, bits=bits, group_size=group_size,
                                        perm=perm, bias=bias).to(x.dtype)
-    elif M < WNA16_DEQUANT_MIN_M:
+    elif wna16_route(M) == "gemv":
+        out = wna16_gemv(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
+    elif wna16_route(M) == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     else:
         w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)

@@ -4,7 +4,9 @@ int8 activations with a dynamic scale per token (or one static per-tensor scale)
 itself is already folded into the weights and the preceding norms, so serving needs nothing else.
 
 On CPU the layer is emulated (activations quantized as on the GPU, both sides dequantized, float32
-matmul). `Int8LinearMethod.gpu_matmul` is where the GPU matmul is chosen.
+matmul). On CUDA `Int8LinearMethod.gpu_matmul` calls quant_kernels.int8_linear (a one-launch
+per-token quantization, then a Triton int8 GEMM with the scales, bias and cast in its epilogue) as the
+custom op `splitserve::int8_linear`, which torch.compile treats as one opaque call.
 """
 from __future__ import annotations
 
@@ -14,12 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.layers.quant_kernels.int8_gemm import int8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import LinearMethod, ParamLayout, register_param, replace_param
-
-# torch._int_mm on CUDA takes more than 16 rows; fewer tokens run padded by this many zero rows.
-_INT_MM_PAD_ROWS = 16
-
 
 @dataclass(frozen=True)
 class Int8Scheme:
@@ -72,7 +71,8 @@ class Int8LinearMethod(LinearMethod):
             replace_param(layer, "input_scale", layer.input_scale.data.max().reshape(1))
         device = layer.weight.device
         layer.quant_compute_dtype = torch.float32 if device.type == "cpu" else layer.params_dtype
-        layer.int8_int_mm = device.type == "cuda" and layer.in_features % 8 == 0 and layer.out_features % 8 == 0
+        # the weight stays [N, K] (K contiguous): the kernels read it as the K-major operand int8 MMAs want
+        layer.int8_triton = device.type == "cuda"
 
     def init_random(self, layer: nn.Module, generator: torch.Generator) -> None:
         w = torch.empty(layer.out_features, layer.in_features, device=layer.weight.device)
@@ -99,21 +99,29 @@ class Int8LinearMethod(LinearMethod):
         return F.linear((q.float() * scale).to(dt), w.to(dt), bias)
 
     def gpu_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """KERNEL PLUG-IN POINT (W8A8 INT8 on the GPU): [M, K] activations -> [M, N].
+        """KERNEL PLUG-IN POINT (W8A8 INT8 on the GPU): [M, K] activations -> [M, N] in x's dtype.
 
-        torch._int_mm (int8 x int8 -> int32, exact), then both scales. It needs more than 16 rows,
-        so the activations always carry 16 zero rows more (no branch on the token count: one
-        compiled graph for every size); a few-token kernel goes here."""
-        q, scale = self.quantize_input(layer, x)
-        m = q.shape[0]
-        q = F.pad(q, (0, 0, 0, _INT_MM_PAD_ROWS))
-        acc = torch._int_mm(q, layer.weight.t())[:m]
-        out = acc.float() * scale * layer.weight_scale
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out
+        One op for every token count (no branch on M in the traced graph): the activations are
+        quantized per token (or with the static scale) in one launch, then the Triton GEMM
+        accumulates in int32 and applies both scales and the bias before writing bf16/fp16
+        (quant_kernels/int8_gemm.py; its tile table splits K for few tokens)."""
+        input_scale = layer.input_scale if self.scheme.activations == "static" else None
+        return int8_linear_op(x, layer.weight, layer.weight_scale, layer.bias, input_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        out = self.gpu_matmul(layer, x2) if layer.int8_int_mm else self.emulated_matmul(layer, x2)
+        out = self.gpu_matmul(layer, x2) if layer.int8_triton else self.emulated_matmul(layer, x2)
         return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+
+# Opaque to the compiler: the kernels pick tiles by the token count (a Python branch that Dynamo
+# must not turn into a guard per size) and may use split-K counters.
+@torch.library.custom_op("splitserve::int8_linear", mutates_args=())
+def int8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   input_scale: torch.Tensor | None) -> torch.Tensor:
+    return int8_linear(x, w, w_scale, bias, input_scale=input_scale)
+
+
+@int8_linear_op.register_fake
+def _(x, w, w_scale, bias, input_scale):
+    return x.new_empty((x.shape[0], w.shape[0]))
