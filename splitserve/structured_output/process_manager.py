@@ -6,9 +6,10 @@ while the core does other work: `queue_fill` (the rows of the step just launched
 (they go out, with the tokens of the step before when `accept_tokens` sends those), `take_fill` (the
 rows, read from memory shared with the process, once it says they are filled).
 
-- The process is started ahead by the engine core (`start`, at the end of its start-up: its own
-  start-up, ~5 s of imports, tokenizer and vocabulary, then overlaps the first requests instead of
-  delaying the first constrained one), else by the first constrained request; as a plain interpreter
+- The process is started ahead by the engine core when its model runs on a GPU (`start`, at the end
+  of its start-up: the process's own start-up, ~5 s of imports, tokenizer and vocabulary, then
+  overlaps the first requests instead of delaying the first constrained one), else by the first
+  constrained request; as a plain interpreter
   (`python -m`), with one end of a Unix socket pair and an anonymous shared file for the rows; it
   loads the tokenizer itself (the same loader as the front) and compiles grammars on its threads.
 - Requests are known there by a number (`ProcessGrammar.handle`): an id may be reused once its
