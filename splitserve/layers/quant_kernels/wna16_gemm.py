@@ -256,9 +256,11 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
-def wna16_route(M: int) -> str:
-    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k" or "dequant"."""
-    if M <= WNA16_GEMV_MAX_M:
+def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False) -> str:
+    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k" or "dequant". The GEMV
+    only for symmetric int4, the case its tiles were swept for: with zero points its default tiles
+    made the 8B decode slower than the split-K kernel (5.20 against 4.42 ms/token, BENCHMARKS.md)."""
+    if M <= WNA16_GEMV_MAX_M and bits == 4 and not has_zeros:
         return "gemv"
     return "split_k" if M < WNA16_DEQUANT_MIN_M else "dequant"
 
@@ -276,9 +278,9 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.device.type != "cuda":
         out = reference.wna16_gemm_ref(x2, qweight, scales, zeros, bits=bits, group_size=group_size,
                                        perm=perm, bias=bias).to(x.dtype)
-    elif wna16_route(M) == "gemv":
+    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None)) == "gemv":
         out = wna16_gemv(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
-    elif wna16_route(M) == "split_k":
+    elif route == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     else:
         w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)

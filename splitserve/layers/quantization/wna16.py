@@ -41,7 +41,8 @@ class WNA16Scheme:
     fmt: str                 # "gptq" | "awq" | "ct" (compressed-tensors pack-quantized)
     bits: int
     group_size: int          # -1: one group per output channel
-    symmetric: bool = True   # ct only: asymmetric checkpoints carry weight_zero_point
+    symmetric: bool = True   # ct: asymmetric checkpoints carry weight_zero_point; gptq: `sym`, for random
+                             # weights (a checkpoint's zero points decide when loading)
     act_order: bool = False  # ct only: weight_g_idx is stored (gptq always stores g_idx)
     checkpoint_format: str = "gptq"  # gptq only: "gptq" (v1, zeros minus one) or "gptq_v2"
 
@@ -193,7 +194,7 @@ class WNA16LinearMethod(LinearMethod):
         s = self.scheme
         w = torch.empty(layer.out_features, layer.in_features, device=generator.device)
         w.normal_(0.0, 0.02, generator=generator)
-        layer.wna16_random = quantize_rtn(w, s.bits, s.group_size, symmetric=s.fmt == "ct" and s.symmetric)
+        layer.wna16_random = quantize_rtn(w, s.bits, s.group_size, symmetric=s.fmt != "awq" and s.symmetric)
 
     # -- compute ----------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +260,7 @@ class GPTQConfig(_WeightOnlyConfig):
         if str(fmt).lower() == "marlin":
             raise ValueError("gptq: checkpoint_format 'marlin' (Marlin-repacked weights) is not supported")
         scheme = WNA16Scheme("gptq", int(cfg.get("bits", 4)), int(cfg.get("group_size", 128)),
-                             checkpoint_format=str(fmt).lower())
+                             symmetric=bool(cfg.get("sym", True)), checkpoint_format=str(fmt).lower())
         return cls(scheme, list(cfg.get("modules_to_not_convert") or []), bool(cfg.get("lm_head", False)))
 
 
