@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -56,27 +55,10 @@ def log(*a):
 
 
 def graph_ms(fns, iters: int = 10) -> float:
-    """The fns once eagerly (compiles, allocates split-K counters), captured in one CUDA graph,
-    median replay in ms divided by len(fns)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(2):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    del g
-    return statistics.median(times) / len(fns)
+    """The fns captured in one CUDA graph (quant_kernels.graph_ms: once eagerly first), median
+    replay in ms divided by len(fns)."""
+    from benchmarks.quant_kernels import graph_ms as one_graph_ms
+    return one_graph_ms(lambda: [f() for f in fns], iters) / len(fns)
 
 
 def copies_for(bytes_per_copy: int) -> int:
