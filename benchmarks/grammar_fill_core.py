@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.structured_overhead import LONG_ARRAY  # noqa: E402
+from benchmarks.structured_overhead import SCHEMAS  # noqa: E402
 from splitserve.models.resolve import load_tokenizer  # noqa: E402
 from splitserve.request import Request  # noqa: E402
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
@@ -41,8 +41,8 @@ def _pick(bitmask, vocab: int, rng: random.Random) -> list[int]:
 
 
 def _run(manager, args, process: bool) -> dict[str, list[float]]:
-    requests = [Request(f"r{i}", [1], SamplingParams(structured_outputs=StructuredOutputsParams(json=LONG_ARRAY)),
-                        (), 1 << 20) for i in range(args.requests)]
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMAS[args.schema]))
+    requests = [Request(f"r{i}", [1], params, (), 1 << 20) for i in range(args.requests)]
     for r in requests:
         manager.register(r)
     while not all(manager.is_ready(r) for r in requests):
@@ -78,7 +78,7 @@ def core_busy(args) -> None:
     eos = ()
     inline = StructuredOutputManager(args.vocab_size, eos, loader)
     process = GrammarProcessManager(args.vocab_size, eos, loader, max_rows=args.requests)
-    print(f"{args.requests} matchers, vocab {args.vocab_size}, {len(os.sched_getaffinity(0))} CPUs, "
+    print(f"{args.requests} matchers of {args.schema}, vocab {args.vocab_size}, {len(os.sched_getaffinity(0))} CPUs, "
           f"{args.host_work_ms:.1f} ms of other host work per step; medians over {args.steps} steps")
     print(f"  {'fill':8s} {'core thread held by grammar calls':>34s} {'of which rows':>14s} {'step wall':>10s}")
     try:

@@ -151,7 +151,10 @@ def _structured_manager(args: EngineArgs, spec: ModelSpec):
     m = spec.config.model
     if args.structured_outputs_fill == "inline":
         return StructuredOutputManager(m.vocab_size, m.eos_token_ids, loader)
-    return GrammarProcessManager(m.vocab_size, m.eos_token_ids, loader, max_rows=args.max_num_seqs)
+    manager = GrammarProcessManager(m.vocab_size, m.eos_token_ids, loader, max_rows=args.max_num_seqs)
+    if spec.config.device.startswith("cuda"):  # on CPU the model's threads use every core: no head start there
+        manager.start()  # not waited for: its ~5 s start-up overlaps serving, not the first constrained request
+    return manager
 
 
 class EngineCore:
@@ -170,8 +173,8 @@ class EngineCore:
         # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
         self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
                                          sliding_window=self._kv_free_window(m.hf_config))
-        # Grammars compile and masks fill off the core's thread (a grammar process, started by the first
-        # constrained request; or threads here).
+        # Grammars compile and masks fill off the core's thread (a grammar process, started here in the
+        # background with a GPU, else by the first constrained request; or threads here).
         self.structured = _structured_manager(args, spec)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
         self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling

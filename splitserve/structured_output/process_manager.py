@@ -6,16 +6,21 @@ while the core does other work: `queue_fill` (the rows of the step just launched
 (they go out, with the tokens of the step before when `accept_tokens` sends those), `take_fill` (the
 rows, read from memory shared with the process, once it says they are filled).
 
-- The process is started on the first constrained request, as a plain interpreter (`python -m`), with
-  one end of a Unix socket pair and an anonymous shared file for the rows; it loads the tokenizer
-  itself (the same loader as the front) and compiles grammars on its threads.
+- The process is started ahead by the engine core when its model runs on a GPU (`start`, at the end
+  of its start-up: the process's own start-up, ~5 s of imports, tokenizer and vocabulary, then
+  overlaps the first requests instead of delaying the first constrained one), else by the first
+  constrained request; as a plain interpreter
+  (`python -m`), with one end of a Unix socket pair and an anonymous shared file for the rows; it
+  loads the tokenizer itself (the same loader as the front) and compiles grammars on its threads.
 - Requests are known there by a number (`ProcessGrammar.handle`): an id may be reused once its
   request has finished. Requests that ended are dropped with the next message.
 - If the process cannot start (it exits before saying hello), the in-process manager takes over
   (nothing has been compiled there yet). If it dies later, or stops answering for `_REPLY_TIMEOUT_S`,
   every constrained request ends with an error (`take_failed`, and `accept_tokens` for those whose
   tokens it was given), rows of a pending fill allow everything, and the next constrained request
-  starts a new process.
+  starts a new process; after `_MAX_LOSSES` such losses within `_LOSS_WINDOW_S` no new one is started:
+  constrained requests then fail at once with the reason (a grammar that keeps crashing the process
+  would otherwise restart it, ~5 s of CPU each time, for every request), other requests go on.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ logger = logging.getLogger(__name__)
 _REPLY_TIMEOUT_S = 60.0    # a fill takes milliseconds; this long means the process is stuck
 _STARTUP_TIMEOUT_S = 300.0  # tokenizer and xgrammar's vocabulary view of a 256k vocabulary included
 _SOCKET_BUFFER = 4 << 20
+_MAX_LOSSES = 3            # processes lost (after their hello) within the window: no more restarts
+_LOSS_WINDOW_S = 600.0
 
 
 class ProcessGrammar:
@@ -129,6 +136,8 @@ class GrammarProcessManager:
         self._queued: list | None = None     # rows of the launched step, not sent yet
         self._sent: list | None = None       # rows being filled
         self._inline: StructuredOutputManager | None = None  # the fallback, when the process cannot start
+        self._losses: deque[float] = deque()  # when processes were lost (after their hello)
+        self._given_up: str | None = None     # why no process is started any more
 
     @property
     def process(self) -> subprocess.Popen | None:
@@ -145,6 +154,12 @@ class GrammarProcessManager:
             self._inline.set_tokenizer(tokenizer)
 
     # -- the process ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the process now, without waiting for it (the engine core calls this at the end of its
+        start-up; a no-op once a process runs, the fallback took over, or restarts stopped)."""
+        if self._proc is None and self._inline is None and self._given_up is None:
+            self._start()
+
     def _start(self) -> bool:
         try:
             setup = pickle.dumps((self._loader, self.vocab_size, self._eos, self._max_workers))
@@ -180,6 +195,15 @@ class GrammarProcessManager:
             return
         logger.error("grammar process lost (%s): its %d constrained requests end with an error", why, len(self.live))
         reason = f"structured outputs: the grammar process was lost ({why})"
+        now = time.monotonic()
+        self._losses.append(now)
+        while self._losses[0] < now - _LOSS_WINDOW_S:
+            self._losses.popleft()
+        if len(self._losses) >= _MAX_LOSSES:
+            self._given_up = (f"structured outputs are unavailable: the grammar process was lost {len(self._losses)} "
+                              f"times in {_LOSS_WINDOW_S:.0f} s (last: {why}); it is not restarted until the "
+                              f"engine restarts")
+            logger.error("%s", self._given_up)
         for request in self.live.values():
             request.grammar.failed = reason
             request.grammar.ready = False
@@ -269,9 +293,21 @@ class GrammarProcessManager:
             request.grammar = ProcessGrammar(handle, f"structured output grammar failed to compile: {e}")
             self.live[id(request)] = request
             return
+        if self._given_up is not None:
+            request.grammar = ProcessGrammar(handle, self._given_up)  # take_failed ends it
+            self.live[id(request)] = request
+            return
         request.grammar = ProcessGrammar(handle)
         if self._proc is not None and self._proc.proc.poll() is not None:
-            self._lost(f"exit code {self._proc.proc.returncode}")  # died while idle: start another
+            self._drain()  # a hello it sent before it died counts: a lost process, not one that never started
+            if self._proc is not None:
+                self._lost(f"exit code {self._proc.proc.returncode}")  # died while idle: start another
+            if self._inline is not None:
+                return self._inline.register(request)
+            if self._given_up is not None:
+                request.grammar.failed = self._given_up
+                self.live[id(request)] = request
+                return
         self.live[id(request)] = request
         if self._proc is None and not self._start():
             return  # the fallback registered it

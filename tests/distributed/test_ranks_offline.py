@@ -54,8 +54,20 @@ def engine_processes() -> list[psutil.Process]:
     return out
 
 
-def assert_no_processes_left(timeout: float = 20.0) -> None:
-    gone, alive = psutil.wait_procs(engine_processes(), timeout=timeout)
+def rank_processes() -> list[psutil.Process]:
+    """engine_processes less the grammar process (the engine starts it too)."""
+    out = []
+    for p in engine_processes():
+        try:
+            if "structured_output.grammar_process" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_no_processes_left(timeout: float = 20.0, which=engine_processes) -> None:
+    gone, alive = psutil.wait_procs(which(), timeout=timeout)
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
 
 
@@ -75,7 +87,7 @@ def assert_matches(got, want) -> None:
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
 def test_ranks_give_transformers_greedy_tokens(tiny_dir, hf_reference, tp, pp):
     llm = LLM(tiny_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **SMALL)
-    assert len(engine_processes()) == tp * pp
+    assert len(rank_processes()) == tp * pp
     assert_matches(greedy(llm), hf_reference)
     llm.engine.core.shutdown()
     assert_no_processes_left()
@@ -116,6 +128,9 @@ def test_a_rank_that_dies_or_hangs_ends_the_engine(tiny_dir, monkeypatch, kind, 
     with pytest.raises(EngineDeadError, match=expected) as info:
         llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
     assert info.value.process_lost
+    assert_no_processes_left(which=rank_processes)
+    # The grammar process (started with the engine) ends with its shutdown, or when the LLM goes.
+    llm.engine.core.shutdown()
     assert_no_processes_left()
 
 
@@ -159,7 +174,7 @@ def test_two_nodes_on_one_machine(tiny_dir, hf_reference, tmp_path):
     try:
         llm = LLM(tiny_dir, pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
                   master_port=port, **SMALL)
-        assert len(engine_processes()) == 3  # our rank 0; node 1: its launcher and rank 1
+        assert len(rank_processes()) == 3  # our rank 0; node 1: its launcher and rank 1
         assert_matches(greedy(llm), hf_reference)
         llm.engine.core.shutdown()
         assert node1.wait(timeout=60) == 0, open(log.name).read()[-3000:]

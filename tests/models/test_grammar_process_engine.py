@@ -93,3 +93,38 @@ def test_a_killed_grammar_process_ends_the_constrained_requests_only(inline, pro
     again = llm.generate([prompts[3]], params[3], use_tqdm=False)[0].outputs[0]
     assert again.text in ("red", "green", "blue") and again.finish_reason == "stop"
     assert not engine.has_unfinished_requests() and not engine.core.structured.live
+
+
+def test_the_process_starts_with_the_engine_and_restarts_are_bounded(inline):
+    """With a GPU the grammar process is started by the engine's start-up, before any request; on
+    CPU (the model's threads use every core) by the first constrained request. Killed three times,
+    it is restarted twice (by the next constrained request each time), then no more: the constrained
+    request that found the third one dead fails at once with the reason, and plain requests go on
+    as before."""
+    prompts, params = prompts_and_params(inline)
+    plain, choice = params[1], params[3]
+    ref = inline.generate([prompts[1]], plain, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(**SMALL)
+    try:
+        structured = llm.engine.core.structured
+        first = structured.process
+        if llm.engine.core.config.device.startswith("cuda"):
+            assert first is not None and first.poll() is None and not structured.live  # no request yet
+        else:
+            assert first is None
+        pids = []
+        for _ in range(3):
+            out = llm.generate([prompts[3]], choice, use_tqdm=False)[0].outputs[0]
+            assert out.finish_reason == "stop" and out.text in ("red", "green", "blue")
+            pids.append(structured.process.pid)
+            structured.process.kill()
+            structured.process.wait()
+        assert (first is None or pids[0] == first.pid) and len(set(pids)) == 3
+        out = llm.generate([prompts[3], prompts[1]], [choice, plain], use_tqdm=False)
+        assert out[0].outputs[0].finish_reason == "error" and structured.process is None
+        assert "lost 3 times" in out[0].outputs[0].stop_reason and "not restarted" in out[0].outputs[0].stop_reason
+        assert out[1].outputs[0].finish_reason == "length" and out[1].outputs[0].token_ids == ref
+        assert llm.generate([prompts[3]], choice, use_tqdm=False)[0].outputs[0].finish_reason == "error"
+        assert not llm.engine.has_unfinished_requests() and not structured.live
+    finally:
+        llm.engine.core.shutdown()

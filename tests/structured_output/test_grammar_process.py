@@ -141,9 +141,10 @@ def test_rows_of_requests_that_ended_allow_everything_and_failures_come_back(man
     inline, process = managers
     done, live = make_request("done", dict(regex="[0-9]")), make_request("live", dict(regex="[0-9]"))
     bad = make_request("bad", dict(grammar="root ::= nope"))
-    for r in (done, live, bad):
+    for r in (done, live):
         process.register(r)
-    wait_ready(process, [done, live], timeout=120)
+    wait_ready(process, [done, live], timeout=120)  # (its take_failed must not see bad's failure)
+    process.register(bad)
     seven = tokenizer.encode("7", add_special_tokens=False)[0]
     assert process.accept_tokens([(done, seven)]) == {}
     assert process.accept_tokens([(done, 2)]) == {id(done): None}  # the stop token completes it
@@ -242,3 +243,84 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_start_runs_the_process_ahead_and_the_first_request_uses_it(tokenizer):
+    """start() spawns the process before any request, without waiting for its hello; a second start
+    and the first constrained request use that same process."""
+    manager = GrammarProcessManager(len(tokenizer), (2,), LOADER, max_rows=4)
+    try:
+        assert manager.process is None
+        manager.start()
+        first = manager.process
+        assert first is not None and first.poll() is None and not manager._hello
+        manager.start()
+        assert manager.process is first
+        r = make_request("x", dict(regex="[0-9]{2}"))
+        manager.register(r)
+        wait_ready(manager, [r])
+        assert manager.process is first and manager.fills_elsewhere
+        assert tokenizer.encode("7", add_special_tokens=False)[0] in allowed_ids(manager.fill_bitmask([r])[0],
+                                                                                 len(tokenizer))
+    finally:
+        manager.shutdown()
+    assert first.poll() is not None
+
+
+def test_start_is_a_no_op_once_the_in_process_fill_took_over(tokenizer):
+    manager = GrammarProcessManager(len(tokenizer), (2,), lambda: tokenizer, max_rows=4)  # cannot pickle
+    manager.start()
+    assert manager.process is None and not manager.fills_elsewhere
+    manager.start()
+    assert manager.process is None
+    manager.shutdown()
+
+
+def _lose_running_process(manager, rid: str):
+    """A constrained request runs on a live process (started if needed), then the process is killed;
+    the next message to it finds it lost."""
+    r = make_request(rid, dict(regex="[a-z]{3,20}"))
+    manager.register(r)
+    wait_ready(manager, [r])
+    proc = manager.process
+    proc.kill()
+    proc.wait()
+    ended = manager.accept_tokens([(r, 5)])
+    assert "grammar process was lost" in ended[id(r)]
+    manager.release(r)
+    return proc
+
+
+def test_restarts_stop_after_three_lost_processes(tokenizer):
+    """Three processes lost within the window: the fourth constrained request starts none and fails
+    at once with the reason; before that, each loss was followed by a new process."""
+    manager = GrammarProcessManager(len(tokenizer), (2,), LOADER, max_rows=4)
+    try:
+        seen = [_lose_running_process(manager, f"r{i}") for i in range(3)]
+        assert len({p.pid for p in seen}) == 3  # each loss restarted it
+        r = make_request("late", dict(regex="[0-9]+"))
+        manager.register(r)
+        assert manager.process is None
+        [(req, reason)] = manager.take_failed()
+        assert req is r and "lost 3 times" in reason and "not restarted" in reason
+        assert not manager.live and manager.process is None
+    finally:
+        manager.shutdown()
+
+
+def test_losses_outside_the_window_do_not_count(tokenizer, monkeypatch):
+    """The bookkeeping alone (no process): losses are counted in a sliding window of time."""
+    from splitserve.structured_output import process_manager as pm
+    clock = [1000.0]
+    monkeypatch.setattr(pm.time, "monotonic", lambda: clock[0])
+    manager = GrammarProcessManager(len(tokenizer), (2,), LOADER, max_rows=4)
+    manager._hello = True
+    for step in (0.0, pm._LOSS_WINDOW_S * 0.6, pm._LOSS_WINDOW_S * 0.6):  # never 3 within the window
+        clock[0] += step
+        manager._lost("test")
+        assert manager._given_up is None
+    clock[0] += 1.0
+    manager._lost("test")  # the last three are within the window
+    assert manager._given_up is not None and "last: test" in manager._given_up
+    manager.start()
+    assert manager.process is None
