@@ -30,7 +30,7 @@ import triton.language as tl
 
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
-from splitserve.layers.quant_kernels.wna16_layout import check_canonical
+from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
 # WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
@@ -176,41 +176,22 @@ class WNA16Config:
 
 def default_wna16_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132) -> WNA16Config:
     """Tile choice (H100 sweep of the 8B shapes, BENCHMARKS.md). block_k divides the group size."""
-    block_k = _largest_pow2_divisor(group_size, 128)
+    block_k = largest_pow2_divisor(group_size, 128)
     if M <= 16:
         return WNA16Config(16, 64, block_k, split_k_for(M, N, K, 16, 64, block_k, num_sms, 2.9), 4, 5)
     if M <= WNA16_SPLIT_K_MAX_M:
         block_m = 32 if M <= 32 else 64
         return WNA16Config(block_m, 128, block_k, split_k_for(M, N, K, block_m, 128, block_k, num_sms), 4, 3)
     block_m = 64 if M <= 128 else 128
-    return WNA16Config(block_m, 128, _largest_pow2_divisor(group_size, 64), 1, num_warps=8 if block_m == 128 else 4,
+    return WNA16Config(block_m, 128, largest_pow2_divisor(group_size, 64), 1, num_warps=8 if block_m == 128 else 4,
                        num_stages=3)
-
-
-def _largest_pow2_divisor(g: int, cap: int) -> int:
-    b = cap
-    while b > 16 and g % b:
-        b //= 2
-    if g % b:
-        raise ValueError(f"group size {g} is not a multiple of 16")
-    return b
 
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                *, bits: int, group_size: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                config: WNA16Config | None = None) -> torch.Tensor:
     """The Triton kernel: x bf16/fp16 [M, K] times the canonical weight -> [M, N] in x's dtype."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
-    if x.dtype not in _MAGIC:
-        raise ValueError(f"activations must be bfloat16 or float16, got {x.dtype}")
-    check_canonical(qweight, scales, zeros, bits, group_size, perm)
-    M, K = x.shape
-    N = qweight.shape[1]
-    if qweight.shape[0] * (32 // bits) != K:
-        raise ValueError(f"x has K={K} but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * (32 // bits)}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must have shape [{N}], got {tuple(bias.shape)}")
+    M, K, N = check_wna16_call(x, qweight, scales, zeros, bits, group_size, perm, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
@@ -247,7 +228,7 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     check_canonical(qweight, scales, zeros, bits, group_size)
     K, N = qweight.shape[0] * (32 // bits), qweight.shape[1]
     out = torch.empty((K, N), dtype=dtype, device=qweight.device)
-    block_k = _largest_pow2_divisor(K, 64) if K % 16 == 0 else None
+    block_k = largest_pow2_divisor(K, 64) if K % 16 == 0 else None
     if block_k is None:
         raise ValueError(f"K={K} must be a multiple of 16")
     _wna16_dequant_kernel[(K // block_k, triton.cdiv(N, 128))](

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue
-from splitserve.layers.quant_kernels.wna16_layout import CANONICAL_ORDER, check_canonical
+from splitserve.layers.quant_kernels.wna16_layout import CANONICAL_ORDER, check_wna16_call, largest_pow2_divisor
 
 GEMV_MAX_ROWS = 8  # rows of x one program holds (registers: every FFMA chain is per row)
 
@@ -251,31 +251,16 @@ def default_gemv_config(M: int, N: int, K: int, bits: int, group_size: int, has_
 
 def gemv_block_k(group_size: int, bits: int, cap: int) -> int:
     """Largest power of two <= cap dividing the group size, at least one word of values."""
-    b = cap
-    while b > 32 // bits and group_size % b:
-        b //= 2
-    if group_size % b:
-        raise ValueError(f"group size {group_size} is not a multiple of {32 // bits} (one packed word)")
-    return b
+    return largest_pow2_divisor(group_size, cap, floor=32 // bits)
 
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                *, bits: int, group_size: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                config: WNA16GemvConfig | None = None) -> torch.Tensor:
     """The GEMV kernel: x bf16/fp16 [M, K] (M <= 8) times the canonical weight -> [M, N] in x's dtype."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"activations must be bfloat16 or float16, got {x.dtype}")
-    check_canonical(qweight, scales, zeros, bits, group_size, perm)
-    M, K = x.shape
-    N = qweight.shape[1]
+    M, K, N = check_wna16_call(x, qweight, scales, zeros, bits, group_size, perm, bias)
     if M > GEMV_MAX_ROWS:
         raise ValueError(f"wna16_gemv takes at most {GEMV_MAX_ROWS} rows, got {M}")
-    if qweight.shape[0] * (32 // bits) != K:
-        raise ValueError(f"x has K={K} but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * (32 // bits)}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must have shape [{N}], got {tuple(bias.shape)}")
     if qweight.numel() >= 2**31:
         raise ValueError(f"qweight has {qweight.numel()} words; the GEMV's int32 offsets need fewer than 2**31")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)

@@ -81,6 +81,34 @@ def check_canonical(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         raise ValueError(f"perm must be int32 [{K}], got {perm.dtype} {tuple(perm.shape)}")
 
 
+
+def largest_pow2_divisor(g: int, cap: int, floor: int = 16) -> int:
+    """The largest power of two <= cap dividing g, at least `floor` (ValueError if none does)."""
+    b = cap
+    while b > floor and g % b:
+        b //= 2
+    if g % b:
+        raise ValueError(f"group size {g} is not a multiple of {floor}")
+    return b
+
+
+def check_wna16_call(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     bits: int, group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None
+                     ) -> tuple[int, int, int]:
+    """The checks both W4A16 / W8A16 kernels make of their call (x bf16/fp16 [M, K], a canonical
+    weight of the same K, bias [N]); returns (M, K, N)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"activations must be bfloat16 or float16, got {x.dtype}")
+    check_canonical(qweight, scales, zeros, bits, group_size, perm)
+    (M, K), N = x.shape, qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != K:
+        raise ValueError(f"x has K={K} but qweight {tuple(qweight.shape)} packs K={qweight.shape[0] * (32 // bits)}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must have shape [{N}], got {tuple(bias.shape)}")
+    return M, K, N
+
 # ---------------------------------------------------------------------------------------------
 # packing
 # ---------------------------------------------------------------------------------------------
