@@ -124,17 +124,24 @@ def main() -> None:
                     help="kernel totals of batch-2 decode graph replays and of one whole 1000 x 128/128 run")
     ap.add_argument("--trace-run", default="", metavar="N,IN,OUT",
                     help="kernel totals, GPU gaps and step counts of one N x IN/OUT run (e.g. 1000,1024,128)")
+    ap.add_argument("--decode-trace", action="store_true",
+                    help="only the kernel totals of batch-2 decode graph replays (no workloads)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--config", default=CONFIG_8B, help="model directory (e.g. benchmarks/configs/llama3-8b-gptq-int4)")
+    ap.add_argument("--quantization", default=None)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    llm = LLM(CONFIG_8B, random_weights=True, dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384)
+    llm = LLM(args.config, random_weights=True, dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384, quantization=args.quantization)
     print(f"engine build {time.perf_counter() - t0:.1f} s")
     runner = llm.engine.runner
-    for bs in (2, 8, 64, 256, 512, 1024):
-        g = runner.graphs.graphs.get(bs)
+    for bs in (1, 2, 8, 64, 256, 512, 1024):
+        g = runner.graphs.graphs.get((bs, False))
         if g is not None:
             print(f"decode graph replay bs={bs}: {replay_ms(g):.3f} ms")
+    if args.decode_trace:
+        decode_trace(llm)
+        return
     rng = random.Random(5)
     vocab = llm.engine.config.model.vocab_size
 
@@ -221,9 +228,24 @@ def gpu_gaps(prof, label: str, top: int = 8) -> None:
         print(f"  {g / 1e3:8.2f} ms gap at {at / 1e3:9.1f} ms")
 
 
+def decode_trace(llm: LLM) -> None:
+    """Kernel totals of 10 replays of the smallest decode graph (batch 1 or 2)."""
+    from torch.profiler import ProfilerActivity, profile
+    graphs = llm.engine.runner.graphs.graphs
+    bs = min(b for b, lora in graphs if not lora)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            graphs[bs, False].replay()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernel_table(prof, wall, f"10 replays of the batch-{bs} decode graph", rows=30)
+
+
 def trace(llm: LLM, ps) -> None:
     from torch.profiler import ProfilerActivity, profile
-    g = llm.engine.runner.graphs.graphs[2]
+    g = llm.engine.runner.graphs.graphs[2, False]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         t = time.perf_counter()

@@ -134,7 +134,11 @@ def linear_fn(method: str, x: torch.Tensor, xq, w, name: str):
         q, s = xq
         return lambda: FP8.scaled_mm_linear(q, s, w[0], w[1], None, torch.bfloat16)
     if method == "quant + scaled_mm":
-        return lambda: FP8.scaled_mm_linear(*FP8.quantize_fp8_per_token(x), w[0], w[1], None, torch.bfloat16)
+        return lambda: FP8.scaled_mm_linear(*FP8.quantize_fp8_per_token(x), w[0], w[1], None, torch.bfloat16,
+                                            fast_accum=False)
+    if method == "quant + scaled_mm fast":
+        return lambda: FP8.scaled_mm_linear(*FP8.quantize_fp8_per_token(x), w[0], w[1], None, torch.bfloat16,
+                                            fast_accum=True)
     if method == "fp8 token":
         return lambda: FP8.fp8_gemm(*FP8.quantize_fp8_per_token(x), w[0], w[1])
     if method in FP8_MODES:
@@ -154,7 +158,7 @@ def linear_fn(method: str, x: torch.Tensor, xq, w, name: str):
     raise ValueError(method)
 
 
-METHOD_WEIGHTS = {"bf16": "bf16", "scaled_mm (x pre-quantized)": "fp8", "quant + scaled_mm": "fp8",
+METHOD_WEIGHTS = {"bf16": "bf16", "scaled_mm (x pre-quantized)": "fp8", "quant + scaled_mm": "fp8", "quant + scaled_mm fast": "fp8",
                   "fp8 group": "fp8", "fp8 token": "fp8", "fp8 W8A16": "fp8", "fp8_linear": "fp8",
                   "fp8_linear block": "fp8b",
                   "int4pack_mm": "tiny", "wna16 kernel": "int4", "wna16 gemv": "int4", "wna16 dequant+mm": "int4",
@@ -213,7 +217,7 @@ def check(ms_list) -> int:
         nonlocal fails
         bad = not (err < tol)
         fails += bad
-        if bad or "M=1 " in what or "graph" in what:
+        if bad or "M=1 " in what or "graph" in what or "scaled_mm" in what:
             log(f"  {'FAIL' if bad else 'ok  '} {what}: rel err {err:.2e}")
 
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -237,6 +241,11 @@ def check(ms_list) -> int:
                                                              R.fp8_linear_ref(x, wqb, wsb, bias, act="group")))
                 report(f"fp8_linear {name} M={M} ", rel(FP8.fp8_linear(x, wq, ws, bias),
                                                        R.fp8_linear_ref(x, wq, ws, bias, act="token" if M > FP8.FP8_TRITON_MAX_M else FP8.fp8_small_m_act(M))), tol=2e-2)
+                if M >= 16:  # torch._scaled_mm, both accumulation modes (fp8_linear takes it above 64 tokens)
+                    ref = R.fp8_linear_ref(x, wq, ws, bias, act="token")
+                    for fast in (False, True):
+                        report(f"scaled_mm fast_accum={fast} {name} M={M} ",
+                               rel(FP8.scaled_mm_linear(q, s, wq, ws, bias, torch.bfloat16, fast_accum=fast), ref))
                 for wi, bits in ((i4, 4), (i8, 8)):
                     ref = R.wna16_gemm_ref(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP, bias=bias)
                     report(f"wna16_gemm int{bits} {name} M={M} ",

@@ -47,6 +47,10 @@ _SCALE_EPS_C = tl.constexpr(SCALE_EPS)
 # the kernel (A_MODE 0, the cheapest GEMM); above, per-token quantization + torch._scaled_mm.
 FP8_GROUP_MAX_M = 16
 FP8_TRITON_MAX_M = 64
+# torch._scaled_mm's fast accumulation: Hopper's FP8 MMA keeps fewer accumulator bits, and without it
+# the library promotes the partial sums to fp32 every few K steps, which costs throughput. Serving
+# engines run FP8 GEMMs with fast accumulation on Hopper; measured in BENCHMARKS.md (fifteenth session).
+SCALED_MM_FAST_ACCUM = True
 
 
 def fp8_small_m_act(M: int) -> str:
@@ -401,8 +405,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 
 
 def scaled_mm_linear(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """torch._scaled_mm (cuBLASLt) with row-wise scales; M is padded to a multiple of 16 if needed."""
+                     bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool | None = None) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales; M is padded to a multiple of 16 if needed. fast_accum:
+    None takes SCALED_MM_FAST_ACCUM."""
     M, N = q.shape[0], w.shape[0]
     pad = -M % 16
     if pad:
@@ -411,7 +416,9 @@ def scaled_mm_linear(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale:
     if pad:
         scale_a = torch.cat([scale_a, scale_a.new_ones((pad, 1))])
     scale_b = w_scale.reshape(1, -1).to(torch.float32).expand(1, N).contiguous()
-    out = torch._scaled_mm(q, w.t(), scale_a=scale_a.contiguous(), scale_b=scale_b, out_dtype=out_dtype)
+    fast = SCALED_MM_FAST_ACCUM if fast_accum is None else fast_accum
+    out = torch._scaled_mm(q, w.t(), scale_a=scale_a.contiguous(), scale_b=scale_b, out_dtype=out_dtype,
+                           use_fast_accum=fast)
     out = out[:M] if pad else out
     return out + bias if bias is not None else out
 

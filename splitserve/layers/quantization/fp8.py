@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear
+from splitserve.layers.quant_kernels.fp8_gemm import SCALED_MM_FAST_ACCUM, fp8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
                                                  register_param, replace_param, same_method)
@@ -187,7 +187,7 @@ class Fp8LinearMethod(LinearMethod):
         q, scale = self.quantize_input(layer, x)
         scale_a = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous() if self.scheme.activations == "static" else scale
         out = torch._scaled_mm(q, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, -1),
-                               out_dtype=torch.bfloat16)
+                               out_dtype=torch.bfloat16, use_fast_accum=SCALED_MM_FAST_ACCUM)
         if layer.bias is not None:
             out = out + layer.bias
         return out
