@@ -129,10 +129,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--config", default=CONFIG_8B, help="model directory (e.g. benchmarks/configs/llama3-8b-gptq-int4)")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory, where the config has none")
     args = ap.parse_args()
     t0 = time.perf_counter()
     llm = LLM(args.config, random_weights=True, dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384, quantization=args.quantization)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384, quantization=args.quantization,
+              tokenizer=args.tokenizer)
     print(f"engine build {time.perf_counter() - t0:.1f} s")
     runner = llm.engine.runner
     for bs in (1, 2, 8, 64, 256, 512, 1024):

@@ -27,9 +27,12 @@ for rate in ${RATES:-4 16 inf}; do
     py-spy record --pid $server --subprocesses --rate 250 --format raw --nonblocking -o "$out/profile_$rate.txt" >/dev/null 2>&1 &
     spy=$!
   fi
+  python benchmarks/server_breakdown.py http://127.0.0.1:$port --save "$out/metrics_before.prom"
   python -m splitserve bench serve $common --dataset random --random-input-len 1024 --random-output-len 128 \
       --num-prompts $n --request-rate $rate --seed $seed --save-result "$out/random_$rate.json"
   [ -n "$spy" ] && { kill -INT $spy; wait $spy; }
+  echo "--- the server's histograms for this rate (benchmarks/server_breakdown.py)"
+  python benchmarks/server_breakdown.py http://127.0.0.1:$port --since "$out/metrics_before.prom"
 done
 [ "${SWEEP:-1}" = 1 ] && echo "=== synthetic-sharegpt sweep" && python -m splitserve bench sweep $common --dataset synthetic-sharegpt --num-prompts $n --seed $((seed + 1)) \
     --request-rates 4,16,64,inf --plot "$out/sharegpt_sweep.png" --save-result "$out/sharegpt_sweep.json"
