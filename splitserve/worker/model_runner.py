@@ -266,7 +266,11 @@ class ModelRunner:
         token than at two (W4A16's GEMV), which also compiles the layer halves once more, for one
         token (the 0/1 specialisation of dynamic shapes), in the graph's warm-up run."""
         return self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs,
-                                                      one_row=cheaper_at_one_row(self.model))
+                                                      one_row=self.one_row_graph())
+
+    def one_row_graph(self) -> bool:
+        """Whether the decode graphs include one sequence (a rank's runner: whether any rank asks)."""
+        return cheaper_at_one_row(self.model)
 
     @torch.inference_mode()  # inputs made here must be inference tensors, as when serving
     def _warm_up_eager(self) -> None:
