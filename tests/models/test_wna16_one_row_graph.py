@@ -56,12 +56,21 @@ def test_one_sequence_runs_the_compiled_size_one_graph(checkpoint, monkeypatch):
     path, ref = checkpoint
     ref_tokens, ref_lp = hf_greedy_logprobs(ref, PROMPT, NEW_TOKENS)
 
-    llm, counter, padded = compiled_engine(path, monkeypatch, llm_sizes := [1, 2, 4])
+    sizes = [1, 2, 4]
+    llm, counter, padded = compiled_engine(path, monkeypatch, sizes)
     layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert llm.engine.config.model.quantization == "gptq: W4A16 (group 128)" and layer.zeros is None
-    # Off CUDA the method runs the torch reference, not the GEMV, so it does not ask for size 1;
-    # the runner would add it on CUDA (tests/worker/test_one_row_decode_graph.py): given here.
-    assert 1 not in llm.engine.runner.decode_graph_sizes() and llm_sizes[0] == 1
+    # Off CUDA the method runs the torch reference, not the GEMV, so it does not ask for size 1; with
+    # the GEMV (as on CUDA in bf16) the runner adds it. The graphs here are given those sizes.
+    runner = llm.engine.runner
+    assert runner.decode_graph_sizes() == sizes[1:]
+    quantized = [m for m in runner.model.modules() if getattr(m, "wna16_kernel", None) is False]
+    assert len(quantized) == 2 * 4  # qkv, o, gate_up, down per layer; the LM head stays float
+    for m in quantized:
+        m.wna16_kernel = True
+    assert runner.decode_graph_sizes() == sizes
+    for m in quantized:
+        m.wna16_kernel = False
     tokens, lps = greedy(llm)
     assert padded == [1] * (NEW_TOKENS - 1)  # every decode step ran the graph of one sequence
     # Two halves, each compiled for the prompt (dynamic token count) and once more for one token;
