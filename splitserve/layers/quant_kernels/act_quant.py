@@ -11,9 +11,10 @@ the engine's compiled layers (it keeps silu(g) in fp32; eager torch rounds it to
 by one bf16 ulp on about a quarter of the elements). The quantization of h is the existing quantizers'
 exactly: fp8 as fp8_gemm.quantize_fp8_per_token (s = max(amax, 1e-10) / 448, q = clamp(h * (448 /
 amax))), int8 as int8_gemm.quantize_int8_per_token (s = amax / 127.5, the fp32 eps for a zero row,
-q = clamp(round_half_even(h / s), -128, 127)), true divisions. exp may differ from torch's by an fp32
-ulp (the GPU's ex2.approx, numpy's in the interpreter), which moves h by one bf16 ulp on a few elements
-in 10^4; given the same h the results are bit for bit the quantizers'.
+q = clamp(round_half_even(h / s), -128, 127)), true divisions. silu's exp and division are the GPU's
+fast ones (ex2.approx, the approximate reciprocal; Inductor's tl.sigmoid uses the same), within a few
+fp32 ulps of torch's: that moves h by one bf16 ulp on about one element in 10^4 (the interpreter's
+numpy arithmetic: rarer still). Given the same h the results are bit for bit the quantizers'.
 
 The dispatchers (silu_mul_fp8_linear, silu_mul_int8_linear) compute down(silu(gate) * up) for the FP8
 and INT8 methods' custom ops; off CUDA they compute the same function with the torch references.
@@ -38,17 +39,16 @@ _ROUND_MAGIC_C = tl.constexpr(12582912.0)  # 1.5 * 2^23: see int8_gemm.py
 # Rows up to this many elements are held in registers whole (one pass over DRAM, silu computed once);
 # longer rows take two passes (below). 16384 covers I = 14336 (Llama-3-8B / Mistral-7B) on one rank.
 ONE_PASS_MAX = 16384
-_QUANT = {None: 0, FP8_DTYPE: 1, torch.int8: 2}
 
 
 @triton.jit
 def _silu_mul(x_row, offs, I):
-    """h for the columns offs of one row, rounded to the input dtype, returned as fp32 (0 past I)."""
+    """h for the columns offs of one row, in the input dtype (0 past I)."""
     mask = offs < I
     g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_row + I + offs, mask=mask, other=0.0).to(tl.float32)
-    h = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
-    return h.to(x_row.dtype.element_ty).to(tl.float32)
+    # `/` is the GPU's fast division (within 2 ulp), as in tl.sigmoid, which Inductor's silu uses
+    return (g / (1.0 + tl.exp(-g)) * u).to(x_row.dtype.element_ty)
 
 
 @triton.jit
@@ -73,42 +73,49 @@ def _quantize(h, factor, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul_kernel(x_ptr, h_ptr, I, stride_xm, stride_hm, BLOCK: tl.constexpr):
+    # h itself (the few-token FP8 path's input): programs over rows x column blocks, so that one
+    # decode token's row is spread over the SMs as Inductor's pointwise kernel spreads it.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(h_ptr + row * stride_hm + offs, _silu_mul(x_ptr + row * stride_xm, offs, I), mask=offs < I)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, I, stride_xm, stride_qm,
                            QUANT: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per token (row). QUANT 0 writes h itself (the few-token FP8 path's input), 1 fp8, 2 int8.
+    # One program per token (row); QUANT 1 fp8, 2 int8.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
-    if QUANT == 0:
-        for k0 in range(0, I, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            tl.store(q_row + offs, _silu_mul(x_row, offs, I).to(q_ptr.dtype.element_ty), mask=offs < I)
-    elif ONE_PASS:
-        # The whole row in registers (BLOCK >= I; 32 fp32 values a thread at 16 warps): gate and up
-        # are read from DRAM once and silu computed once. Recomputing it in a second pass would
-        # double the exp and the division per element, and at DRAM speed (~670 G elements/s on an
-        # H100) those two passes would need most of the SMs' MUFU and FP32 issue rate.
+    if ONE_PASS:
+        # The whole row in registers (BLOCK >= I), so gate and up are read from DRAM once and silu is
+        # computed once. h is held in the input dtype (exact, it was rounded to it): for I = 14336 at
+        # 16 warps that is ~51 registers a thread (sm_90a), two programs to an SM, so one row's loads
+        # overlap another's arithmetic. Recomputing silu in a second pass instead would double the
+        # exp and the division per element, ~30 instructions each at fp8: at DRAM speed (~600 G
+        # elements/s on an H100) two passes would need more than the SMs' issue rate.
         offs = tl.arange(0, BLOCK)
         h = _silu_mul(x_row, offs, I)
-        s, factor = _scale(tl.max(tl.abs(h), axis=0), QUANT)
+        s, factor = _scale(tl.max(tl.abs(h.to(tl.float32)), axis=0), QUANT)
         tl.store(s_ptr + row, s)
-        tl.store(q_row + offs, _quantize(h, factor, QUANT).to(q_ptr.dtype.element_ty), mask=offs < I)
+        tl.store(q_row + offs, _quantize(h.to(tl.float32), factor, QUANT).to(q_ptr.dtype.element_ty), mask=offs < I)
     else:
         # Rows too long for registers: the amax pass, then the quantizing pass re-reads gate and up
         # (from L2: the rows in flight are a few MB against the H100's 50 MB) and recomputes h, the
         # same function, so the same values.
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, I, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, k0 + tl.arange(0, BLOCK), I)))
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, k0 + tl.arange(0, BLOCK), I).to(tl.float32)))
         s, factor = _scale(tl.max(amax, axis=0), QUANT)
         tl.store(s_ptr + row, s)
         for k0 in range(0, I, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
-            q = _quantize(_silu_mul(x_row, offs, I), factor, QUANT)
+            q = _quantize(_silu_mul(x_row, offs, I).to(tl.float32), factor, QUANT)
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < I)
 
 
-def _launch(gate_up: torch.Tensor, out_dtype: torch.dtype | None, num_warps: int | None):
+def _check(gate_up: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if gate_up.dim() != 2:
         raise ValueError(f"gate_up must be 2-D [tokens, 2 * intermediate], got shape {tuple(gate_up.shape)}")
     if gate_up.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -116,19 +123,7 @@ def _launch(gate_up: torch.Tensor, out_dtype: torch.dtype | None, num_warps: int
     M, two_i = gate_up.shape
     if two_i % 2 or two_i == 0:
         raise ValueError(f"gate_up's last dimension holds [gate | up]: it must be even and nonzero, got {two_i}")
-    I = two_i // 2
-    x = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
-    quant = _QUANT[out_dtype]
-    out = torch.empty((M, I), dtype=out_dtype or x.dtype, device=x.device)
-    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device) if quant else out
-    if M == 0:
-        return out, scale
-    one_pass = quant != 0 and triton.next_power_of_2(I) <= ONE_PASS_MAX
-    block = triton.next_power_of_2(I) if one_pass else min(triton.next_power_of_2(I), 4096)
-    warps = num_warps or max(1, min(16, block // 1024))
-    _silu_mul_quant_kernel[(M,)](x, out, scale, I, x.stride(0), out.stride(0),
-                                 QUANT=quant, BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
-    return out, scale
+    return (gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()), M, two_i // 2
 
 
 def silu_mul_quant_per_token(gate_up: torch.Tensor, dtype: torch.dtype, *,
@@ -138,13 +133,28 @@ def silu_mul_quant_per_token(gate_up: torch.Tensor, dtype: torch.dtype, *,
     num_warps overrides the launch's (benchmarks)."""
     if dtype not in (FP8_DTYPE, torch.int8):
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
-    return _launch(gate_up, dtype, num_warps)
+    x, M, I = _check(gate_up)
+    q = torch.empty((M, I), dtype=dtype, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        one_pass = triton.next_power_of_2(I) <= ONE_PASS_MAX
+        block = triton.next_power_of_2(I) if one_pass else 4096
+        _silu_mul_quant_kernel[(M,)](x, q, s, I, x.stride(0), q.stride(0), QUANT=1 if dtype == FP8_DTYPE else 2,
+                                     BLOCK=block, ONE_PASS=one_pass,
+                                     num_warps=num_warps or max(1, min(16, block // 1024)))
+    return q, s
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [M, 2I] -> h = silu(gate) * up [M, I] in gate_up's dtype, the h the quantizing kernel
     quantizes (one launch; the few-token FP8 path feeds it to the GEMM that quantizes per group)."""
-    return _launch(gate_up, None, None)[0]
+    x, M, I = _check(gate_up)
+    h = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    if M:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_mul_kernel[(M, triton.cdiv(I, block))](x, h, I, x.stride(0), h.stride(0), BLOCK=block,
+                                                     num_warps=max(1, block // 256))
+    return h
 
 
 # ---------------------------------------------------------------------------------------------
