@@ -272,7 +272,7 @@ def sweep_configs(M: int) -> list:
     return out
 
 
-def sweep(ms_list):
+def sweep(ms_list, only: str = ""):
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     best = []
     for name, (K, N) in SHAPES.items():
@@ -283,7 +283,7 @@ def sweep(ms_list):
             flop = 2 * M * N * K
             results = []
             default = G.default_int8_config(M, N, K)
-            for cfg in [default] + sweep_configs(M):
+            for cfg in [default] + [c for c in sweep_configs(M) if only in c.describe()]:
                 try:
                     ms = graph_ms([lambda w=w, cfg=cfg: G.int8_gemm(q, s, w[0], w[1], config=cfg) for w in wq], iters=5)
                 except Exception as e:  # noqa: BLE001 - out of resources etc.: skip the config
@@ -355,6 +355,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="kernels against exact references, then the table")
     ap.add_argument("--sweep", action="store_true", help="tile sweep instead of the table")
     ap.add_argument("--sweep-m", default="256,1024,4096,16384")
+    ap.add_argument("--sweep-only", default="", help="sweep only configurations whose description has this "
+                    "text (e.g. 'tma')")
     ap.add_argument("--no-compile", action="store_true", help="time the int_mm path as eager torch ops")
     ap.add_argument("--compile-only", action="store_true",
                     help="no GPU: compile every variant for sm_90a and print registers / spills / smem")
@@ -369,7 +371,7 @@ def main(argv=None):
     if args.check and check(ms_list):
         raise SystemExit(1)
     if args.sweep:
-        sweep(sweep_ms)
+        sweep(sweep_ms, args.sweep_only)
         return
     rows = run_table(ms_list, compiled=not args.no_compile)
     print_table(rows, ms_list)

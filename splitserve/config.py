@@ -97,7 +97,8 @@ class CompileConfig:
     cudagraph_batch_sizes: tuple[int, ...] = field(
         # Padding to the next size wastes at most ~20% of a decode step; fewer graphs start faster.
         # No size 1: a single sequence runs padded to 2 (the same weight reads), so the compiled
-        # layers never see one token and Inductor compiles no extra size-1 specialisation.
+        # layers never see one token and Inductor compiles no extra size-1 specialisation, unless a
+        # linear method costs less at one token (decode_graph_sizes' one_row).
         default_factory=lambda: (2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
                                  320, 384, 448, 512, 640, 768, 896, 1024))
     # Token counts of mixed/prefill steps captured as piecewise graphs. Above the largest, a step's
@@ -109,8 +110,14 @@ class CompileConfig:
     piecewise_token_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1088, 1152,
                                               1280, 1408, 1536, 1792, 2048)
 
-    def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
-        return [b for b in self.cudagraph_batch_sizes if b <= max_num_seqs]
+    def decode_graph_sizes(self, max_num_seqs: int, one_row: bool = False) -> list[int]:
+        """The decode graphs' batch sizes, ascending: those up to max_num_seqs, or the smallest when
+        none is (max_num_seqs 1 pads to it). one_row: the model's layers cost less at one token than
+        at two (layers/linear.py cheaper_at_one_row), so one sequence gets a graph of size 1."""
+        sizes = sorted(b for b in self.cudagraph_batch_sizes if b <= max_num_seqs)
+        if one_row and 1 not in sizes:
+            sizes.insert(0, 1)
+        return sizes or sorted(self.cudagraph_batch_sizes)[:1]
 
 
 @dataclass(frozen=True)

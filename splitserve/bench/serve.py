@@ -214,9 +214,10 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, sample: Samp
                         res.usage_reported = True
                     text, finished, tokens = _chunk_text(chunk, chat)
                     ended = ended or finished
-                    # The first token is the first text (an empty opening chunk is no token; so TTFT
-                    # never flatters a server); after it, every token event counts, text or not.
-                    if text or (tokens and last is not None):
+                    # As vLLM's client: the first chunk that carries a token is the first token, even
+                    # with empty text (a token the detokenizer holds back, or, with random weights, an
+                    # id outside the tokenizer's vocabulary); a chat stream's role chunk is none.
+                    if tokens:
                         if last is None:
                             res.ttft = now - t0
                         else:

@@ -58,6 +58,16 @@ class StageRunner(ModelRunner):
             return
         super().setup_fast_path()
 
+    def one_row_graph(self) -> bool:
+        # The graphs hold the ranks' collectives, so every rank must pad a step to the same size;
+        # which layers take the GEMV (symmetric parts of the checkpoint) may differ between ranks.
+        asks = super().one_row_graph()
+        if self.tp.world_size == 1:
+            return asks
+        flag = torch.tensor([int(asks)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp.group)
+        return bool(flag.item())
+
     def _stage_logits(self, batch) -> torch.Tensor | None:
         pp = self.pp
         if pp.world_size == 1:

@@ -79,3 +79,9 @@ def process_weights_after_loading(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.process_weights_after_loading()
+
+
+def cheaper_at_one_row(model: nn.Module) -> bool:
+    """Some linear layer of the model costs less at one token than at two
+    (LinearMethod.cheaper_at_one_row): a single decoding sequence should not be padded to two."""
+    return any(module.method.cheaper_at_one_row(module) for module in model.modules() if isinstance(module, Linear))

@@ -19,6 +19,7 @@ from splitserve.attention.layer import Attention, ForwardContext, forward_contex
 from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.core.sched_output import SchedulerOutput
+from splitserve.layers.linear import cheaper_at_one_row
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
@@ -70,7 +71,10 @@ class InFlightStep:
 def compile_decoder_layers(model: torch.nn.Module) -> None:
     """torch.compile (Inductor) of the batchful halves of each decoder layer, before and after its
     attention op. The token count is dynamic; all layers share one graph per half (same code,
-    weights passed as inputs), so compilation happens once."""
+    weights passed as inputs), so compilation happens once. Dynamic shapes specialise a size of 1:
+    a one-token input compiles a second graph per half, which happens only where the decode graphs
+    include batch size 1 (ModelRunner.decode_graph_sizes): other one-token steps are padded (decode
+    graphs of 2, piecewise buckets) and the warm-up runs none."""
     # Several engines in one process (tests, benchmarks) each add a graph or two; never fail on that.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.layers:
@@ -238,7 +242,7 @@ class ModelRunner:
         start = time.perf_counter()
         if self.encdec is None:
             compile_decoder_layers(self.model)
-        sizes = self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs)
+        sizes = self.decode_graph_sizes()
         m = self.config.model
         lora_state = None if self.lora is None else self.lora.model.state  # graphs with the LoRA delta too
         cross_blocks = 0 if self.encdec is None else self.encdec.cross_table.shape[1]
@@ -256,6 +260,17 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state)
             self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
+
+    def decode_graph_sizes(self) -> list[int]:
+        """Batch sizes of the decode graphs; with 1 when a linear layer of the model costs less at one
+        token than at two (W4A16's GEMV), which also compiles the layer halves once more, for one
+        token (the 0/1 specialisation of dynamic shapes), in the graph's warm-up run."""
+        return self.config.compile.decode_graph_sizes(self.config.scheduler.max_num_seqs,
+                                                      one_row=self.one_row_graph())
+
+    def one_row_graph(self) -> bool:
+        """Whether the decode graphs include one sequence (a rank's runner: whether any rank asks)."""
+        return cheaper_at_one_row(self.model)
 
     @torch.inference_mode()  # inputs made here must be inference tensors, as when serving
     def _warm_up_eager(self) -> None:

@@ -200,6 +200,13 @@ class LinearMethod:
         into that quantization (FP8, INT8 with dynamic per-token activations)."""
         return self.apply(layer, silu_and_mul(gate_up))
 
+    def cheaper_at_one_row(self, layer: nn.Module) -> bool:
+        """True when `apply` costs clearly less for one token than for two (a GEMV whose work grows
+        with each row, where a matmul kernel pads to a tile and costs the same). The runner then
+        captures a decode graph of one sequence instead of padding it to two, and the compiled layers
+        get one more Inductor specialisation, for one token. Asked after the weights are converted."""
+        return False
+
     def describe(self) -> str:
         return self.quantization or "unquantized"
 
