@@ -6,7 +6,8 @@ the layers ran before) against the fused kernel (quant_kernels/act_quant.py).
   unfused   Inductor's kernel for activation.silu_and_mul (torch.compile, as in the engine's compiled
             layers) writing h in bf16, then quantize_fp8_per_token / quantize_int8_per_token
   fused     silu_mul_quant_per_token: gate_up read once, q and the scales written (--warps: also
-            these num_warps for the one-pass kernel)
+            these num_warps for the one-pass kernel). INT8 runs it at every M, decode included:
+            --m 1,16 shows whether one row per program is slower there than the two launches.
 
 Each time is the median of CUDA-graph replays of one graph that runs the op over enough input copies
 (>= 256 MB) that nothing comes from L2 between copies, divided by the copies. GB/s counts the fused
