@@ -43,6 +43,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gate_up = [gate | up]; the method may fuse the two."""
+        return self.method.apply_silu_mul(self, gate_up)
+
     def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """One checkpoint tensor (`weight`, `bias`, or a method's own such as `weight_scale`), of
         the whole layer or, for a merged one, of the shard named. A tensor-parallel layer keeps its

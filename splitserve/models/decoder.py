@@ -22,8 +22,9 @@ from splitserve.attention.cross import CrossAttention
 from splitserve.attention.layer import Attention
 from splitserve.distributed.communication import Intermediate, tp_all_gather
 from splitserve.distributed.parallel_state import pp_group, stage_layers, tp_group
-from splitserve.layers.activation import activation, gated_activation
+from splitserve.layers.activation import activation, gated_activation, silu_and_mul
 from splitserve.layers.cpu_gemm import linear
+from splitserve.layers.linear import Linear
 from splitserve.layers.norm import GemmaRMSNorm, LayerNorm, LayerNorm1P, RMSNorm
 from splitserve.layers.parallel_linear import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                                QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -135,9 +136,16 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, spec.hidden_size, bias=spec.mlp_bias, method=method_for(
             quant_config, *(ckpt + n for n in names.checkpoint_modules("mlp.down_proj"))))
         self.act_and_mul = gated_activation(spec.activation)
+        self.silu = self.act_and_mul is silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # SiLU goes to the down projection with gate_up, so that a method which quantizes its input
+        # (FP8, INT8) fuses silu·mul into that quantization. A LoRA wrapper (not a Linear) needs the
+        # activations themselves for its delta and keeps the separate activation.
+        if self.silu and isinstance(self.down_proj, Linear):
+            return self.down_proj.forward_silu_mul(gate_up)
+        return self.down_proj(self.act_and_mul(gate_up))
 
 
 class PlainMLP(nn.Module):

@@ -1,6 +1,7 @@
 """Plain torch references for the quantized GEMM kernels: the definitions the kernels are tested
 against, and the CPU path of fp8_linear / wna16_linear (FP8 emulated: quantize, dequantize, fp32
-matmul). Nothing here calls Triton."""
+matmul) and of act_quant's silu-mul dispatchers (with INT8's exact integer matmul). Nothing here
+calls Triton."""
 from __future__ import annotations
 
 import torch
@@ -126,3 +127,34 @@ def wna16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate | up] -> silu(gate) * up computed in fp32 and rounded once to the input dtype: what
+    Inductor's kernel for activation.silu_and_mul computes (eager torch also rounds silu(gate))."""
+    g, u = gate_up.to(torch.float32).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
+
+
+INT8_HALF_RANGE = 127.5
+
+
+def int8_quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (int8 [M, K], fp32 [M, 1]): s = absmax / 127.5 (the fp32 eps for a zero row),
+    q = clamp(round_half_even(x / s), -128, 127), true divisions (ops.int8_quantize_per_token's rule)."""
+    xf = x.to(torch.float32)
+    s = xf.abs().amax(dim=1, keepdim=True) / torch.full((1, 1), INT8_HALF_RANGE, device=x.device)
+    s = torch.where(s == 0, torch.full_like(s, torch.finfo(torch.float32).eps), s)
+    return torch.round(xf / s).clamp(-128, 127).to(torch.int8), s
+
+
+def int8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What int8_linear computes for x [M, K] with dynamic per-token activations and w int8 [N, K]:
+    the exact int32 accumulator, then (acc * x_scale) * w_scale + bias in fp32, one rounding to x's dtype."""
+    q, s = int8_quantize_ref(x)
+    acc = (q.long() @ w.long().t()).to(torch.float32)
+    out = acc * s * w_scale.reshape(1, -1).to(torch.float32)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype)

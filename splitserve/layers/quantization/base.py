@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.layers.activation import silu_and_mul
 from splitserve.layers.cpu_gemm import linear
 
 
@@ -192,6 +193,12 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """The layer applied to silu(gate) * up, for gate_up = [gate | up] (a gated MLP's down
+        projection). Methods whose kernels quantize their input override it to fuse the activation
+        into that quantization (FP8, INT8 with dynamic per-token activations)."""
+        return self.apply(layer, silu_and_mul(gate_up))
 
     def cheaper_at_one_row(self, layer: nn.Module) -> bool:
         """True when `apply` costs clearly less for one token than for two (a GEMV whose work grows

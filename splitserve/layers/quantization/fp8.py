@@ -19,7 +19,9 @@ dequantized and multiplied in float32 (what the checkpoint's own library compute
 `Fp8LinearMethod.gpu_matmul` is where the GPU matmul is chosen: dynamic per-token activations with
 per-channel (or per-shard) weight scales go to `quant_kernels.fp8_linear` (our split-K Triton kernel
 for few tokens, torch._scaled_mm for many), as a custom op so that torch.compile treats it as one
-opaque call; static activation scales use torch._scaled_mm directly.
+opaque call; static activation scales use torch._scaled_mm directly. A gated MLP's down projection
+with those activations takes gate_up instead (`apply_silu_mul`, the op `splitserve::silu_mul_fp8_linear`):
+one kernel computes silu(gate) * up and its per-token quantization (quant_kernels/act_quant.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.layers.quant_kernels.act_quant import silu_mul_fp8_linear
 from splitserve.layers.quant_kernels.fp8_gemm import SCALED_MM_FAST_ACCUM, fp8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
@@ -197,6 +200,16 @@ class Fp8LinearMethod(LinearMethod):
         out = self.gpu_matmul(layer, x2) if layer.fp8_scaled_mm else self.emulated_matmul(layer, x2)
         return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """On the GPU with dynamic per-token activations (per-tensor or per-channel weight scales):
+        the custom op that fuses silu·mul into the per-token quantization (act_quant.py). Elsewhere
+        (CPU emulation, static or group activations) silu_and_mul, then apply."""
+        if layer.fp8_scaled_mm and self.scheme.activations == "token" and gate_up.dtype in (torch.bfloat16, torch.float16):
+            out = silu_mul_fp8_linear_op(gate_up.reshape(-1, gate_up.shape[-1]), layer.weight, layer.weight_scale,
+                                         layer.bias)
+            return out.reshape(*gate_up.shape[:-1], layer.out_features)
+        return super().apply_silu_mul(layer, gate_up)
+
 
 # An opaque op for the compiler: fp8_linear picks a kernel by the token count (a Python branch that
 # Dynamo must not trace into a guard per size) and launches Triton kernels with split-K counters.
@@ -209,6 +222,19 @@ def fp8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 @fp8_linear_op.register_fake
 def _(x, w, w_scale, bias):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+# The same for down(silu(gate) * up) from gate_up [M, 2I]: the branch on M (h for the few-token kernel,
+# the fused quantization above) stays inside one opaque call.
+@torch.library.custom_op("splitserve::silu_mul_fp8_linear", mutates_args=())
+def silu_mul_fp8_linear_op(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    return silu_mul_fp8_linear(gate_up, w, w_scale, bias)
+
+
+@silu_mul_fp8_linear_op.register_fake
+def _(gate_up, w, w_scale, bias):
+    return gate_up.new_empty((gate_up.shape[0], w.shape[0]))
 
 
 # -- the "fp8" quantization config ------------------------------------------------------------------

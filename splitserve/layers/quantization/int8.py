@@ -6,7 +6,9 @@ itself is already folded into the weights and the preceding norms, so serving ne
 On CPU the layer is emulated (activations quantized as on the GPU, both sides dequantized, float32
 matmul). On CUDA `Int8LinearMethod.gpu_matmul` calls quant_kernels.int8_linear (a one-launch
 per-token quantization, then a Triton int8 GEMM with the scales, bias and cast in its epilogue) as the
-custom op `splitserve::int8_linear`, which torch.compile treats as one opaque call.
+custom op `splitserve::int8_linear`, which torch.compile treats as one opaque call. A gated MLP's
+down projection with dynamic activations takes gate_up instead (`apply_silu_mul`, the op
+`splitserve::silu_mul_int8_linear`): one kernel computes silu(gate) * up and its per-token quantization.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.layers.quant_kernels.act_quant import silu_mul_int8_linear
 from splitserve.layers.quant_kernels.int8_gemm import int8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import LinearMethod, ParamLayout, register_param, replace_param
@@ -113,6 +116,15 @@ class Int8LinearMethod(LinearMethod):
         out = self.gpu_matmul(layer, x2) if layer.int8_triton else self.emulated_matmul(layer, x2)
         return out.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
 
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """On the GPU with dynamic per-token activations: the custom op that fuses silu·mul into the
+        per-token quantization (act_quant.py) before the Triton GEMM. Otherwise silu_and_mul, then apply."""
+        if layer.int8_triton and self.scheme.activations == "token":
+            out = silu_mul_int8_linear_op(gate_up.reshape(-1, gate_up.shape[-1]), layer.weight, layer.weight_scale,
+                                          layer.bias)
+            return out.reshape(*gate_up.shape[:-1], layer.out_features)
+        return super().apply_silu_mul(layer, gate_up)
+
 
 # Opaque to the compiler: the kernels pick tiles by the token count (a Python branch that Dynamo
 # must not turn into a guard per size) and may use split-K counters.
@@ -125,3 +137,14 @@ def int8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias
 @int8_linear_op.register_fake
 def _(x, w, w_scale, bias, input_scale):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("splitserve::silu_mul_int8_linear", mutates_args=())
+def silu_mul_int8_linear_op(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+    return silu_mul_int8_linear(gate_up, w, w_scale, bias)
+
+
+@silu_mul_int8_linear_op.register_fake
+def _(gate_up, w, w_scale, bias):
+    return gate_up.new_empty((gate_up.shape[0], w.shape[0]))
