@@ -80,7 +80,8 @@ def check(ms, i_list) -> int:
         for M in ms:
             x = inputs(M, I)[0]
             x[0] = 0
-            x[1, :I] = -100.0
+            if M > 1:
+                x[1, :I] = -100.0  # exp overflow in silu
             h = R.silu_mul_ref(x)
             for name, other in (("eager", silu_and_mul(x)), ("inductor", silu(x)), ("act_quant.silu_mul", A.silu_mul(x))):
                 frac = (other != h).float().mean().item()
