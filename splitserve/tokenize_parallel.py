@@ -222,6 +222,11 @@ def cut_points(text: str, pieces: int, plan: _Plan | None = None) -> list[int]:
     return cuts
 
 
+def can_cut(tokenizer) -> bool:
+    """Whether encode_text may cut this tokenizer's long texts (else it is plain encode)."""
+    return _plan(tokenizer).safe
+
+
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """tokenizer.encode(text, add_special_tokens=...) as a list of ids, the long texts of tokenizers
     that allow it (see the module docstring) encoded in pieces on the tokenizers thread pool."""

@@ -19,6 +19,7 @@ from splitserve.engine.messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.models.resolve import load_serving_tokenizer
 from splitserve.sampling_params import SamplingParams
+from splitserve.tokenize_parallel import encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class EngineFront:
             if not prompt:
                 raise ValueError("prompt is empty")
             ids = (self.mm_processor.text_prompt_ids(prompt) if self.mm_processor is not None
-                   else self.tokenizer.encode(prompt, add_special_tokens=True))
+                   else encode_text(self.tokenizer, prompt, add_special_tokens=True))  # long texts in pieces
         else:
             ids = list(prompt)
             check = getattr(self.mm_processor, "check_token_ids", None)

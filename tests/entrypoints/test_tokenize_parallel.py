@@ -242,3 +242,55 @@ def test_added_token_guard_is_needed(with_added_tokens, many_cuts, monkeypatch):
     monkeypatch.setattr(tp, "_near_added_token", lambda *a: False)
     texts = _added_token_texts(6, 100)
     assert any(tp.encode_text(with_added_tokens, t) != list(with_added_tokens.encode(t)) for t in texts)
+
+
+def _bare_serving(tokenizer):
+    """The server's prompt handling alone: an OpenAIServing with only what tokenizing reads."""
+    from splitserve.entrypoints.openai.serving import OpenAIServing
+    serving = object.__new__(OpenAIServing)
+    serving.tokenizer, serving.model_name, serving.mm_processor = tokenizer, "m", None
+    return serving
+
+
+def test_server_completion_prompts(smollm2, many_cuts):
+    serving = _bare_serving(smollm2)
+    rng = random.Random(7)
+    prompts = [random_text(rng, 150, ["<|im_start|>", "<|im_end|>"]) for _ in range(20)] + [[1, 2, 3]]
+    want = [list(smollm2.encode(p, add_special_tokens=True)) for p in prompts[:-1]] + [[1, 2, 3]]
+    assert serving._tokenize_prompts(prompts) == want
+
+
+def test_server_chat_template(smollm2, many_cuts):
+    from splitserve.entrypoints.openai.protocol import ChatMessage
+    serving = _bare_serving(smollm2)
+    rng = random.Random(8)
+    for _ in range(10):
+        msgs = [{"role": r, "content": random_text(rng, 80, ["<|im_end|>"])} for r in ("system", "user", "assistant", "user")]
+        want = smollm2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        got = serving.apply_chat_template([ChatMessage(**m) for m in msgs], add_generation_prompt=True)
+        assert got == want
+    # A chat_template_kwargs that names a tokenizing argument keeps the template's own tokenization.
+    got = serving.apply_chat_template([ChatMessage(**msgs[0])], extra={"return_dict": False})
+    assert got == list(smollm2.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+
+
+def test_engine_front_hook(smollm2, many_cuts):
+    from splitserve.engine.front import EngineFront
+    front = object.__new__(EngineFront)
+    front.tokenizer, front.mm_processor = smollm2, None
+    text = random_text(random.Random(9), 300, [])
+    assert front.tokenize_prompt(text) == list(smollm2.encode(text, add_special_tokens=True))
+
+
+def test_server_chat_template_adds_no_second_bos(llama3_like, many_cuts, monkeypatch):
+    """The template writes BOS itself; tokenizing the rendered chat must not add the post-processor's."""
+    from splitserve.entrypoints.openai.protocol import ChatMessage
+    monkeypatch.setattr(llama3_like, "chat_template", "<|begin_of_text|>{% for m in messages %}<|start_header_id|>"
+                        "{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}", raising=False)
+    text = random_text(random.Random(10), 200, [])
+    got = _bare_serving(llama3_like).apply_chat_template([ChatMessage(role="user", content=text)])
+    want = llama3_like.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert got == want and got.count(0) == 1

@@ -34,6 +34,7 @@ from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_me
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES, VIDEO_MARKER, VIDEO_PART_TYPES
 from splitserve.sampling_params import SamplingParams
+from splitserve.tokenize_parallel import can_cut, encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ _INLINE_TEXT_CHARS = 1024
 _PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words", "priority",
                            "truncate_prompt_tokens", "prompt_logprobs"})
 _TOKENIZE_WORKERS = 4
+# apply_chat_template arguments that change how it tokenizes: a chat_template_kwargs naming one keeps
+# the template's own tokenization instead of rendering here and tokenizing with encode_text.
+_CHAT_TOKENIZE_ARGS = frozenset({"tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 def overloaded(message: str) -> APIError:
@@ -144,7 +149,7 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "prompt is empty", param="prompt")
-                p = self.tokenizer.encode(p, add_special_tokens=True)
+                p = encode_text(self.tokenizer, p, add_special_tokens=True)
             ids.append(p)
         return ids
 
@@ -186,12 +191,17 @@ class OpenAIServing:
             conversation.append(template_message(m.role, content or "", m.name, m.model_extra))
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # continuing the last message leaves no room for a new turn
+        # Rendered here and tokenized by encode_text (in pieces when long), as the template would
+        # tokenize it: encode(text, add_special_tokens=False).
+        own_tokenize = tokenize and can_cut(self.tokenizer) and not _CHAT_TOKENIZE_ARGS.intersection(extra or ())
         try:
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize and not own_tokenize,
                 continue_final_message=continue_final_message, **({"tools": tools} if tools else {}), **(extra or {}))
         except Exception as e:  # template errors come from user content (roles, ordering)
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+        if own_tokenize:
+            return encode_text(self.tokenizer, ids, add_special_tokens=False)
         if not tokenize:
             return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
