@@ -35,24 +35,25 @@ MIN_PARALLEL_CHARS = 2000
 MIN_PIECE_CHARS = 1000
 
 # The cut: before a single space that follows a non-whitespace character and precedes a letter.
-# Why that is always a pre-token boundary, for both accepted split regexes (read p as the index of
-# the space, c = text[p-1], the match scan is leftmost-first, every character belongs to a match):
+# Why that is always a pre-token boundary, for the GPT-2 regex and each of _SPLIT_REGEXES (read p as
+# the index of the space, c = text[p-1]; the scan is leftmost-first and every character belongs to a
+# match). E.g.
 #   GPT-2:    's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 #   Llama-3:  (?i:'s|...|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*
 #             |\s*[\r\n]+|\s+(?!\S)|\s+          (Qwen2: \p{N} instead of \p{N}{1,3})
-# - No alternative matches a non-whitespace character followed by a space: the contractions and
-#   \p{N}/\p{L}/[^\s\p{L}\p{N}] runs hold no space after their first character (the optional lead
-#   ` ?` or `[^\r\n\p{L}\p{N}]?` is one character and must be followed by a letter/number/symbol,
-#   `[\r\n]*` takes no space), and the whitespace alternatives hold no c. So no match spans p: the
-#   whole text has a boundary there.
-# - The left piece text[:p]: each match of the whole text before p ends at or before p and looked at
-#   nothing past its end except through `(?!\S)` and the greedy runs' stop, which see text[p-1] or
-#   earlier for whitespace matches (they end before c), and stop at the end of text just as they
-#   stopped at the space. Same matches.
-# - The right piece text[p:]: the whole-text scan starts a match at p; neither regex has anchors,
-#   lookbehind or \b, so a match at p sees the same characters from p onward. Same matches.
+# In every alternative of these regexes a space can only be the first character (the optional lead
+# ` ?` or `[^\r\n\p{L}\p{N}]?`, one character) or part of an all-whitespace alternative. So:
+# - No match holds c followed by the space: after its first character an alternative takes only
+#   letters/marks, numbers, symbols, contraction letters or [\r\n/], and the whitespace
+#   alternatives take no c. No match spans p: the whole text has a boundary there.
+# - The left piece text[:p]: the matches before p are the same. An attempt at a start before p reads
+#   at most up to text[p]; there it meets a space where the piece has its end, and no alternative
+#   tells them apart (neither is consumed after a non-whitespace character; `(?!\S)` holds for both;
+#   there is no other lookahead).
+# - The right piece text[p:]: the whole-text scan starts a match at p; the regexes have no anchors,
+#   lookbehind or \b, so a match at p sees the same characters from p onward.
 # The letter after the space is not needed by that argument; it keeps the cut to the one shape
-# (" word") both regexes read as a single alternative, a margin against regexes we did not read.
+# (" word") that every one of these regexes reads as the start of a word match.
 # Whitespace is judged conservatively (a Unicode-table difference between Python and the Rust regex
 # engine must not make c whitespace there): c must not be a separator, control, format or unassigned
 # character (White_Space characters are all Zs/Zl/Zp/Cc; U+180E, once White_Space, is now Cf).
@@ -66,11 +67,24 @@ def _is_cut(text: str, p: int) -> bool:
 
 
 _GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+# The Split regexes of byte-level tokenizers (as transformers writes them, also for GGUF files), each
+# checked against the argument above.
 _SPLIT_REGEXES = frozenset({
-    # Llama-3
+    # Llama-3 (also Falcon3, DBRX, LFM2... in GGUF)
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     # Qwen2
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Qwen3.5
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+    # GPT-4o / Llama-4
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Mistral Tekken
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 })
 # None, or NFC: NFC cannot join across a space. U+0020 has canonical combining class 0 and
 # NFC_Quick_Check=Yes, and no canonical composition has it as its second character, so the
@@ -82,7 +96,7 @@ _SAFE_NORMALIZERS = (None, {"type": "NFC"})
 
 
 def _safe_pre_tokenizer(pre: dict | None) -> bool:
-    """A byte-level pre-tokenizer whose splits are only the GPT-2 or Llama-3/Qwen2 regex (optionally
+    """A byte-level pre-tokenizer whose splits are only the GPT-2 regex or one of _SPLIT_REGEXES (optionally
     after single-digit splitting, which only cuts around digits and so keeps a boundary before a
     space), with no prefix space added."""
     if pre is None:

@@ -126,6 +126,17 @@ def test_exact_llama3_style(llama3_like, many_cuts):
     _check_exact(llama3_like, 300, seed=1)
 
 
+@pytest.mark.parametrize("regex", sorted(tp._SPLIT_REGEXES))
+def test_exact_every_accepted_split_regex(regex, many_cuts):
+    _check_exact(_train(_llama3_pre(regex), post_processor=_bos_template()), 100, seed=len(regex))
+
+
+def test_exact_digits_then_gpt2(many_cuts):
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    _check_exact(_train(pre), 100, seed=11)
+
+
 def test_exact_qwen2_style_nfc(qwen2_like, many_cuts):
     _check_exact(qwen2_like, 200, seed=2)
     decomposed = "cafe\u0301 " * 300  # not NFC: falls back, still exact
