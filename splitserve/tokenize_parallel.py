@@ -19,6 +19,7 @@ pre-tokenizer has a boundary at the cut and splits each side as it splits the wh
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import unicodedata
@@ -33,6 +34,9 @@ MIN_PARALLEL_CHARS = 2000
 # Each piece is at least this long: the per-piece cost (a rayon task, an Encoding to merge) must stay
 # small next to its encoding time.
 MIN_PIECE_CHARS = 1000
+# TOKENIZERS_PARALLELISM values (set; "" too) that turn the tokenizers thread pool off; tokenizers
+# also sets "false" in a child forked after the pool was used.
+_PARALLELISM_OFF = frozenset({"", "0", "false", "f", "off", "no", "n"})
 
 # The cut: before a single space that follows a non-whitespace character and precedes a letter.
 # Why that is always a pre-token boundary, for the GPT-2 regex and each of _SPLIT_REGEXES (read p as
@@ -260,9 +264,11 @@ def _encode_in_pieces(tokenizer, text: str, add_special_tokens: bool, pieces: in
     if not plan.safe:
         return None
     # encode() also syncs these onto the backend; anything other than the plain settings falls back.
-    if (getattr(tokenizer, "split_special_tokens", False) or backend.encode_special_tokens
+    if (getattr(tokenizer, "split_special_tokens", False) or getattr(backend, "encode_special_tokens", True)
             or backend.truncation is not None or backend.padding is not None):
         return None
+    if os.environ.get("TOKENIZERS_PARALLELISM", "on").lower() in _PARALLELISM_OFF:
+        return None  # encode_batch would run the pieces one after another: all cost, no gain
     if plan.nfc and not unicodedata.is_normalized("NFC", text):
         return None
     cuts = cut_points(text, pieces, plan)
