@@ -212,9 +212,15 @@ def test_refused_tokenizers_fall_back(many_cuts):
 
 def test_truncation_or_split_special_tokens_fall_back(smollm2, many_cuts, monkeypatch):
     text = "The quick brown fox <|im_end|> jumps over the lazy dog. " * 20
-    monkeypatch.setattr(smollm2, "split_special_tokens", True)
+    with monkeypatch.context() as m:
+        m.setattr(smollm2, "split_special_tokens", True)
+        assert tp._encode_in_pieces(smollm2, text, True, 4) is None
+        assert tp.encode_text(smollm2, text) == list(smollm2.encode(text))
+    # encode left split_special_tokens on the backend: the next plain encode puts it back, until then
+    # encode_text falls back rather than encode with it.
     assert tp._encode_in_pieces(smollm2, text, True, 4) is None
     assert tp.encode_text(smollm2, text) == list(smollm2.encode(text))
+    assert tp._encode_in_pieces(smollm2, text, True, 4) == list(smollm2.encode(text))
 
 
 def test_parallelism_off_falls_back(smollm2, many_cuts, monkeypatch):
