@@ -70,6 +70,9 @@ def _is_cut(text: str, p: int) -> bool:
             and unicodedata.category(text[p - 1]) not in _NOT_BEFORE_CUT)
 
 
+# Where _is_cut may hold (it has the last word: Unicode categories, isalpha).
+_CANDIDATES = re.compile(r"(?<=\S) (?=[^\W\d_])")
+
 _GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 # The Split regexes of byte-level tokenizers (as transformers writes them, also for GGUF files), each
 # checked against the argument above.
@@ -121,6 +124,10 @@ def _safe_pre_tokenizer(pre: dict | None) -> bool:
             and byte_level.get("use_regex") is False)
 
 
+# More added tokens than this: no cutting (the regex that keeps cuts away from them would be slow to build).
+_MAX_ADDED_TOKENS = 4096
+
+
 class _Plan:
     """What one tokenizer allows: whether cutting is safe, and its added tokens to keep cuts away from."""
 
@@ -147,6 +154,8 @@ class _Plan:
         self.nfc = state.get("normalizer") is not None
         self.frame = {flag: _special_frame(backend, state.get("post_processor"), flag) for flag in (False, True)}
         contents = [t["content"] for t in state.get("added_tokens") or [] if t.get("content")]
+        if len(contents) > _MAX_ADDED_TOKENS:
+            return
         if contents:
             # Lookahead: every start position, so overlapping occurrences are all seen.
             self.added = re.compile("(?=(" + "|".join(re.escape(c) for c in sorted(contents, key=len, reverse=True))
@@ -223,20 +232,21 @@ def _near_added_token(plan: _Plan, text: str, p: int) -> bool:
 
 
 def cut_points(text: str, pieces: int, plan: _Plan | None = None) -> list[int]:
-    """Up to pieces-1 cut positions, each the first safe cut at or after an even share of the text."""
+    """Up to pieces-1 cut positions: in each even share of the text, the first safe cut at or after
+    its start (at least MIN_PIECE_CHARS from the previous cut and from the end). The candidates are
+    found by a regex, in C, so a text with few cuts (digits between spaces) is not walked in Python."""
     cuts = []
     step = len(text) // pieces
-    pos = step
-    while len(cuts) < pieces - 1 and pos < len(text):
-        p = text.find(" ", pos)
-        if p < 0:
-            break
-        if not _is_cut(text, p) or (plan is not None and _near_added_token(plan, text, p)):
-            pos = p + 1
-            continue
-        if p - (cuts[-1] if cuts else 0) >= MIN_PIECE_CHARS and len(text) - p >= MIN_PIECE_CHARS:
-            cuts.append(p)
-        pos = max(p + 1, step * (len(cuts) + 1))
+    for k in range(1, pieces):
+        lo = max(k * step, (cuts[-1] if cuts else 0) + MIN_PIECE_CHARS)
+        hi = min((k + 1) * step, len(text) - MIN_PIECE_CHARS)
+        for m in _CANDIDATES.finditer(text, lo, min(hi + 2, len(text))):
+            p = m.start()
+            if p > hi:
+                break
+            if _is_cut(text, p) and not (plan is not None and _near_added_token(plan, text, p)):
+                cuts.append(p)
+                break
     return cuts
 
 

@@ -4,6 +4,7 @@ The reference is the Hugging Face tokenizer's own encode of the whole text. The 
 shrunk (MIN_PIECE_CHARS, MIN_PARALLEL_CHARS, the CPU count) so that short random texts get many cuts:
 every cut is a chance to disagree."""
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,7 @@ def _loose(text, p):
 def test_loosened_cut_rule_is_caught(smollm2, many_cuts, monkeypatch):
     """The exactness check has teeth: cutting before any space (inside runs of spaces) disagrees."""
     monkeypatch.setattr(tp, "_is_cut", _loose)
+    monkeypatch.setattr(tp, "_CANDIDATES", re.compile(" "))
     rng = random.Random(4)
     wrong = 0
     for _ in range(100):
@@ -221,6 +223,14 @@ def test_truncation_or_split_special_tokens_fall_back(smollm2, many_cuts, monkey
     assert tp._encode_in_pieces(smollm2, text, True, 4) is None
     assert tp.encode_text(smollm2, text) == list(smollm2.encode(text))
     assert tp._encode_in_pieces(smollm2, text, True, 4) == list(smollm2.encode(text))
+
+
+def test_texts_without_cuts(smollm2, monkeypatch):
+    """No " word" spaces (numbers between spaces, no spaces at all): no cuts, plain encode."""
+    monkeypatch.setattr(tp, "_cpus", lambda: 8)
+    for text in (" ".join(str(i) for i in range(20_000)), "日本語のテキスト" * 2000, "a" + " " * 5000 + "b"):
+        assert tp.cut_points(text, 8, tp._plan(smollm2)) == []
+        assert tp.encode_text(smollm2, text) == list(smollm2.encode(text))
 
 
 def test_parallelism_off_falls_back(smollm2, many_cuts, monkeypatch):
