@@ -156,7 +156,8 @@ def test_chat_template_text_keeps_special_tokens(smollm2, many_cuts):
     text = "".join(f"<|im_start|>user\nTell me about the {w} fox and the lazy dog, please.<|im_end|>\n"
                    "<|im_start|>assistant\nThe quick brown fox jumps over it.<|im_end|>\n" for w in WORDS)
     assert tp.cut_points(text, 64, tp._plan(smollm2))
-    assert tp.encode_text(smollm2, text, add_special_tokens=False) == list(smollm2.encode(text, add_special_tokens=False))
+    want = list(smollm2.encode(text, add_special_tokens=False))
+    assert tp.encode_text(smollm2, text, add_special_tokens=False) == want
 
 
 def test_no_cut_next_to_added_token(smollm2, many_cuts):
@@ -300,7 +301,8 @@ def test_server_chat_template(smollm2, many_cuts):
     serving = _bare_serving(smollm2)
     rng = random.Random(8)
     for _ in range(10):
-        msgs = [{"role": r, "content": random_text(rng, 80, ["<|im_end|>"])} for r in ("system", "user", "assistant", "user")]
+        msgs = [{"role": r, "content": random_text(rng, 80, ["<|im_end|>"])}
+                for r in ("system", "user", "assistant", "user")]
         want = smollm2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         want = list(want["input_ids"] if hasattr(want, "keys") else want)
         got = serving.apply_chat_template([ChatMessage(**m) for m in msgs], add_generation_prompt=True)
