@@ -229,9 +229,10 @@ def test_gated_mlp_fuses_silu_into_the_down_projection(kind, gen):
         else:  # the reference int8 GEMM vs the kernel through the interpreter: one bf16 rounding apart
             torch.testing.assert_close(got, unfused, rtol=2**-7, atol=1e-3 * unfused.float().abs().max().item())
             assert torch.equal(got, R.int8_linear_ref(R.silu_mul_ref(gu), down.weight, down.weight_scale))
-        # and close to the eager float computation of the same layer (the quantization's error only)
+        # and close to the eager float computation of the same layer (the quantization's error only:
+        # over 300 random inputs at most 0.043 at 3 rows, 0.019 at 70; a wrong fusion is off by O(1))
         emulated = down.method.emulated_matmul(down, silu_and_mul(gu).float()).to(torch.bfloat16)
-        assert ((got.float() - emulated.float()).norm() / emulated.float().norm()).item() < 0.03
+        assert ((got.float() - emulated.float()).norm() / emulated.float().norm()).item() < 0.06
 
 
 def test_gated_mlp_keeps_the_activation_for_lora_and_cpu_emulation(gen):

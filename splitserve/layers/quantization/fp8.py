@@ -36,7 +36,7 @@ from splitserve.layers.quant_kernels.act_quant import silu_mul_fp8_linear
 from splitserve.layers.quant_kernels.fp8_gemm import SCALED_MM_FAST_ACCUM, fp8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
-                                                 register_param, replace_param, same_method)
+                                                 opaque_linear_op, register_param, replace_param, same_method)
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_STRATEGIES = ("static", "token", "group", "none")
@@ -211,30 +211,11 @@ class Fp8LinearMethod(LinearMethod):
         return super().apply_silu_mul(layer, gate_up)
 
 
-# An opaque op for the compiler: fp8_linear picks a kernel by the token count (a Python branch that
-# Dynamo must not trace into a guard per size) and launches Triton kernels with split-K counters.
-@torch.library.custom_op("splitserve::fp8_linear", mutates_args=())
-def fp8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    return fp8_linear(x, w, w_scale, bias)
-
-
-@fp8_linear_op.register_fake
-def _(x, w, w_scale, bias):
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-# The same for down(silu(gate) * up) from gate_up [M, 2I]: the branch on M (h for the few-token kernel,
-# the fused quantization above) stays inside one opaque call.
-@torch.library.custom_op("splitserve::silu_mul_fp8_linear", mutates_args=())
-def silu_mul_fp8_linear_op(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                           bias: torch.Tensor | None) -> torch.Tensor:
-    return silu_mul_fp8_linear(gate_up, w, w_scale, bias)
-
-
-@silu_mul_fp8_linear_op.register_fake
-def _(gate_up, w, w_scale, bias):
-    return gate_up.new_empty((gate_up.shape[0], w.shape[0]))
+# Opaque ops for the compiler (see opaque_linear_op): fp8_linear picks a kernel by the token count;
+# the silu·mul one takes gate_up [M, 2I] and keeps its branch on M (h for the few-token kernel, the
+# fused quantization of act_quant.py above) inside one call.
+fp8_linear_op = opaque_linear_op("fp8_linear", fp8_linear)
+silu_mul_fp8_linear_op = opaque_linear_op("silu_mul_fp8_linear", silu_mul_fp8_linear)
 
 
 # -- the "fp8" quantization config ------------------------------------------------------------------

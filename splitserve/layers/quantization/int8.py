@@ -21,7 +21,8 @@ from torch import nn
 from splitserve.layers.quant_kernels.act_quant import silu_mul_int8_linear
 from splitserve.layers.quant_kernels.int8_gemm import int8_linear
 from splitserve.layers.quantization import ops
-from splitserve.layers.quantization.base import LinearMethod, ParamLayout, register_param, replace_param
+from splitserve.layers.quantization.base import (LinearMethod, ParamLayout, opaque_linear_op, register_param,
+                                                 replace_param)
 
 @dataclass(frozen=True)
 class Int8Scheme:
@@ -139,12 +140,4 @@ def _(x, w, w_scale, bias, input_scale):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-@torch.library.custom_op("splitserve::silu_mul_int8_linear", mutates_args=())
-def silu_mul_int8_linear_op(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                            bias: torch.Tensor | None) -> torch.Tensor:
-    return silu_mul_int8_linear(gate_up, w, w_scale, bias)
-
-
-@silu_mul_int8_linear_op.register_fake
-def _(gate_up, w, w_scale, bias):
-    return gate_up.new_empty((gate_up.shape[0], w.shape[0]))
+silu_mul_int8_linear_op = opaque_linear_op("silu_mul_int8_linear", silu_mul_int8_linear)
