@@ -178,3 +178,17 @@ def compare_greedy(got_tokens: list[int], got_logprobs: list[float], ref_tokens:
         assert abs(got_logprobs[i] - ref_lp[i, r].item()) < tol, \
             f"step {i}: logprob {got_logprobs[i]:.5f} vs reference {ref_lp[i, r].item():.5f}"
     return True
+
+
+def random_quantized_weights(module: torch.nn.Module, gen: torch.Generator, std: float = 0.1) -> None:
+    """Random weights for a module built with a quantization config: N(0, std) for its float
+    parameters, each quantized layer's own storage from its method's init_random, then the
+    post-load processing the loader would run."""
+    from splitserve.layers.linear import process_weights_after_loading
+    for p in module.parameters():
+        if p.dtype.is_floating_point and p.element_size() >= 2:
+            p.data.normal_(0, std, generator=gen)
+    for m in module.modules():
+        if getattr(m, "is_quantized", False):
+            m.method.init_random(m, gen)
+    process_weights_after_loading(module)

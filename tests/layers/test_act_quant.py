@@ -13,11 +13,11 @@ import torch
 import transformers
 
 from tests import triton_interpreter_shims
+from tests.quant_reference import random_quantized_weights
 
 triton_interpreter_shims.install()
 
 from splitserve.layers.activation import silu_and_mul  # noqa: E402
-from splitserve.layers.linear import process_weights_after_loading  # noqa: E402
 from splitserve.layers.quant_kernels import act_quant as A  # noqa: E402
 from splitserve.layers.quant_kernels import fp8_gemm as F8  # noqa: E402
 from splitserve.layers.quant_kernels import int8_gemm as I8  # noqa: E402
@@ -184,14 +184,7 @@ def gated_mlp(quant_config, hidden=64, intermediate=96):
                                    num_key_value_heads=2, num_hidden_layers=1, vocab_size=100)
     with default_dtype(torch.bfloat16):
         mlp = GatedMLP(decoder_spec(cfg), intermediate, quant_config, "model.layers.0.").to(DEVICE)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    for p in mlp.parameters():
-        if p.dtype.is_floating_point and p.element_size() >= 2:
-            p.data.normal_(0, 0.1, generator=gen)
-    for m in mlp.modules():
-        if getattr(m, "is_quantized", False):
-            m.method.init_random(m, gen)
-    process_weights_after_loading(mlp)
+    random_quantized_weights(mlp, torch.Generator(device=DEVICE).manual_seed(0))
     # the GPU paths (the custom ops), as on an H100; on CPU the ops run the references / the interpreter
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         layer.fp8_scaled_mm = True

@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers
 
-from splitserve.layers.linear import process_weights_after_loading
+from tests.quant_reference import random_quantized_weights
+
 from splitserve.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from splitserve.layers.quantization.fp8 import Fp8Config
 from splitserve.layers.rotary import RotaryEmbedding, rope_parameters
@@ -26,15 +27,7 @@ def layers(quant_config, n=2):
     rotary = RotaryEmbedding(16, 64, rope_parameters(cfg))
     out = torch.nn.ModuleList(DecoderLayer(decoder_spec(cfg), i, rotary, quant_config, f"model.layers.{i}.")
                               for i in range(n))
-    gen = torch.Generator().manual_seed(0)
-    for layer in out:
-        for p in layer.parameters():
-            if p.dtype.is_floating_point and p.element_size() >= 2:
-                p.data.normal_(0, 0.1, generator=gen)
-        for m in layer.modules():
-            if getattr(m, "is_quantized", False):
-                m.method.init_random(m, gen)
-    process_weights_after_loading(out)
+    random_quantized_weights(out, torch.Generator().manual_seed(0))
     return out
 
 
