@@ -36,6 +36,19 @@ def split_k_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     return buf
 
 
+def split_k_buffers(K: int, split_k: int, block_k: int, num_tiles: int,
+                    out: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(k_per_split, num_splits, part, counters) of a launch over K cut into split_k slices of whole
+    block_k tiles: the fp32 partials [num_splits, M, N] and the tile counters when K is split, else
+    `out` in both places (the kernel never touches them)."""
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    num_splits = triton.cdiv(K, k_per_split)
+    if num_splits == 1:
+        return k_per_split, 1, out, out
+    part = torch.empty((num_splits, *out.shape), dtype=torch.float32, device=out.device)
+    return k_per_split, num_splits, part, split_k_counters(out.device, num_tiles)
+
+
 _SM_COUNT: dict[int | None, int] = {}
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -329,15 +329,9 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_s
         raise ValueError(f"block_k={cfg.block_k} must divide {GROUP_K} for group or block scales")
     if a_mode == 2 and cfg.block_k != GROUP_K:
         raise ValueError(f"in-kernel group quantization needs block_k={GROUP_K}, got {cfg.block_k}")
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(K, k_per_split)
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    k_per_split, num_splits, part, counters = split_k_buffers(K, cfg.split_k, cfg.block_k, num_tiles, out)
     use_split = num_splits > 1
-    if use_split:
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=a.device)
-        counters = split_k_counters(a.device, num_tiles)
-    else:
-        part = counters = out
     # Scales should already be fp32 and contiguous (then these are no-ops, not copies).
     if a_mode == 0:
         a_s = a_scale.reshape(-1).to(torch.float32).contiguous()

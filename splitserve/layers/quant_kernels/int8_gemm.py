@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 
 INT8_HALF_RANGE = 127.5
 SCALE_EPS = float(torch.finfo(torch.float32).eps)  # ops._EPS: the scale of an all-zero row
@@ -319,16 +319,10 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return out
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(K, k_per_split)
+    k_per_split, num_splits, part, counters = split_k_buffers(K, cfg.split_k, cfg.block_k, num_tiles, out)
     use_split = num_splits > 1
     if use_split and raw:
         raise ValueError("the raw int32 accumulator is written without split-K (split_k=1)")
-    if use_split:
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x_q.device)
-        counters = split_k_counters(x_q.device, num_tiles)
-    else:
-        part = counters = out
     _int8_gemm_kernel[(num_tiles, num_splits)](
         x_q, x_s, w, w_s, bias_arg, out, part, counters,
         M, N, K, k_per_split, num_splits, x_q.stride(0), w.stride(0), out.stride(0), stride_as,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue, split_k_for
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
 
@@ -201,15 +201,9 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"block_k={cfg.block_k} must divide group_size={group_size} and hold whole words")
     # 8-bit values do not fit bf16's mantissa above 128 + 127: they convert through fp32 instead.
     magic, offset = _MAGIC[x.dtype] if (bits == 4 or x.dtype == torch.float16) else (0, 0.0)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(K, k_per_split)
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    k_per_split, num_splits, part, counters = split_k_buffers(K, cfg.split_k, cfg.block_k, num_tiles, out)
     use_split = num_splits > 1
-    if use_split:
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = split_k_counters(x.device, num_tiles)
-    else:
-        part = counters = out
     _wna16_kernel[(num_tiles, num_splits)](
         x, perm if perm is not None else out, qweight, scales, zeros if zeros is not None else out,
         bias if bias is not None else out, out, part, counters,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_counters, split_k_epilogue
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue
 from splitserve.layers.quant_kernels.wna16_layout import CANONICAL_ORDER, check_wna16_call, largest_pow2_divisor
 
 GEMV_MAX_ROWS = 8  # rows of x one program holds (registers: every FFMA chain is per row)
@@ -276,15 +276,9 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     # x is also read as 32-bit pairs (x32): its rows must start at even elements of 4-byte alignment
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.clone(memory_format=torch.contiguous_format)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(K, k_per_split)
     num_tiles = triton.cdiv(N, cfg.block_n)
+    k_per_split, num_splits, part, counters = split_k_buffers(K, cfg.split_k, cfg.block_k, num_tiles, out)
     use_split = num_splits > 1
-    if use_split:
-        part = torch.empty((num_splits, M, N), dtype=torch.float32, device=x.device)
-        counters = split_k_counters(x.device, num_tiles)
-    else:
-        part = counters = out
     _wna16_gemv_kernel[(num_tiles, num_splits)](
         x, x.view(torch.int32), perm if perm is not None else out, qweight, scales, zeros if zeros is not None else out,
         bias if bias is not None else out, out, part, counters,
