@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.quant_kernels.act_quant import silu_mul_fp8_linear
-from splitserve.layers.quant_kernels.fp8_gemm import SCALED_MM_FAST_ACCUM, fp8_linear
+from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear, scaled_mm_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
                                                  opaque_linear_op, register_param, replace_param, same_method)
@@ -188,12 +188,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.scheme.activations == "token" and x.dtype in (torch.bfloat16, torch.float16):
             return fp8_linear_op(x, layer.weight, layer.weight_scale, layer.bias)
         q, scale = self.quantize_input(layer, x)
-        scale_a = scale.reshape(1, 1).expand(x.shape[0], 1).contiguous() if self.scheme.activations == "static" else scale
-        out = torch._scaled_mm(q, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, -1),
-                               out_dtype=torch.bfloat16, use_fast_accum=SCALED_MM_FAST_ACCUM)
-        if layer.bias is not None:
-            out = out + layer.bias
-        return out
+        return scaled_mm_linear(q, scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
