@@ -68,6 +68,19 @@ def _x_pair(x32_tile, r: tl.constexpr, mask_m, IS_BF16: tl.constexpr):
     return lo, hi
 
 
+@triton.jit
+def _x_values(x_ptr, perm_ptr, x32_tile, offs_m, mask_m, stride_xm, k_words, r: tl.constexpr,
+              HAS_PERM: tl.constexpr, IS_BF16: tl.constexpr):
+    """x at K offsets r and r + 1 of each word row (fp32 [BLOCK_M, KW, 1] each): gathered through
+    perm (act-order), else one 32-bit load of the pair."""
+    if HAS_PERM:
+        lo = _x_gather(x_ptr, perm_ptr, offs_m, mask_m, stride_xm, k_words + r)
+        hi = _x_gather(x_ptr, perm_ptr, offs_m, mask_m, stride_xm, k_words + r + 1)
+    else:
+        lo, hi = _x_pair(x32_tile, r, mask_m, IS_BF16)
+    return lo, hi
+
+
 # Value j of a word is placed at mantissa bit position p_j: 11, 15, 19 for 4 bits (three values
 # share one shifted copy of the word), 7, 15 for 8 bits (two per copy). Helpers take the K offset r
 # within the word; its value position j follows the canonical order of wna16_layout.py (4 bits: K
@@ -155,11 +168,7 @@ def _wna16_gemv_kernel(
         start = tl.zeros([BLOCK_M, KW, 1], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_M, KW, 1], dtype=tl.float32)
         for r in tl.static_range(0, P, 2):
-            if HAS_PERM:
-                x_lo = _x_gather(x_ptr, perm_ptr, offs_m, mask_m, stride_xm, k_words + r)
-                x_hi = _x_gather(x_ptr, perm_ptr, offs_m, mask_m, stride_xm, k_words + r + 1)
-            else:
-                x_lo, x_hi = _x_pair(x32_tile, r, mask_m, IS_BF16)
+            x_lo, x_hi = _x_values(x_ptr, perm_ptr, x32_tile, offs_m, mask_m, stride_xm, k_words, r, HAS_PERM, IS_BF16)
             off_lo = _value_offset(r, BITS)
             off_hi = _value_offset(r + 1, BITS)
             if HAS_ZERO:
@@ -169,11 +178,7 @@ def _wna16_gemv_kernel(
                 start -= x_lo * (off_lo + ZERO_SYM) + x_hi * (off_hi + ZERO_SYM)
         chain = start
         for r in tl.static_range(0, P, 2):
-            if HAS_PERM:
-                x_lo = _x_gather(x_ptr, perm_ptr, offs_m, mask_m, stride_xm, k_words + r)
-                x_hi = _x_gather(x_ptr, perm_ptr, offs_m, mask_m, stride_xm, k_words + r + 1)
-            else:
-                x_lo, x_hi = _x_pair(x32_tile, r, mask_m, IS_BF16)
+            x_lo, x_hi = _x_values(x_ptr, perm_ptr, x32_tile, offs_m, mask_m, stride_xm, k_words, r, HAS_PERM, IS_BF16)
             chain = chain + x_lo * _value_as_float(words, r, BITS, opaque_zero)
             chain = chain + x_hi * _value_as_float(words, r + 1, BITS, opaque_zero)
         part = tl.sum(chain, axis=1, keep_dims=True)  # [BLOCK_M, 1, BLOCK_N]: the tile's x * (q - zero)
