@@ -353,6 +353,8 @@ def check_tiles(names) -> int:
                 if bad:
                     failures += 1
                     log(f"FAIL tile {name} {shape} M={M}: {bad} wrong values")
+                else:  # one line per launch group, so that a hang names its tile
+                    log(f"  check {shape} M={M} {name}: exact")
             del acc_ref, mag
     log(f"check tiles: {failures} failure(s) over {len(names)} tiles")
     return failures
