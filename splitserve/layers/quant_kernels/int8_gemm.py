@@ -375,11 +375,16 @@ INT8_TILES: dict[str, Int8Config] = {c.name: c for c in [
 # aligned, sm90): 1000 x 1024/128 on the 8B shape went from 37,234 to 39,766 tok/s on one H100.
 INT8_TMA_MIN_M = 256
 
+# Above 256 tokens the Gluon kernel (async MMAs), from the H100 tile sweep (BENCHMARKS.md, sixteenth
+# session: `int8_gemm.py --tiles`): bf16's time over INT8's for the 8B layer's four matmuls
+# was 1.49 at 512 tokens with 128x128 tiles of 4 warps (1.26 with the TMA tile before), 1.82-1.85 at
+# 2048-8192 with 128x256 tiles of 8 warps (1.30-1.44 before). Off Hopper those tiles run on the TMA
+# or pointer kernel (int8_gemm).
 INT8_CONFIG_TABLE: list[tuple[int, Int8Config | None]] = [
     (64, None),
     (256, Int8Config(64, 128, 128, num_warps=4, num_stages=4)),
-    (2048, Int8Config(128, 128, 128, num_warps=8, num_stages=4)),
-    (1 << 62, Int8Config(128, 256, 128, num_warps=8, num_stages=3)),
+    (1024, INT8_TILES["async_128x128x128_w4s4"]),
+    (1 << 62, INT8_TILES["async_128x256x128_w8s4"]),
 ]
 
 
@@ -398,6 +403,11 @@ def default_int8_config(M: int, N: int, K: int, n_sms: int = 132) -> Int8Config:
         cfg = Int8Config(**{**cfg.__dict__, "split_k": split_k_for(M, N, K, cfg.block_m, cfg.block_n,
                                                                    cfg.block_k, n_sms)})
     return cfg
+
+
+def hopper_wgmma(device: torch.device) -> bool:
+    """The Gluon kernel's warpgroup MMA exists on compute capability 9.x only (not on Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def tma_supported(x_q: torch.Tensor, w: torch.Tensor) -> bool:
@@ -453,7 +463,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
         # where the tensors allow it; the pointer kernel with the same tile where they do not
         use_tma = (M > INT8_TMA_MIN_M or cfg.async_mma) and not raw and tma_supported(x_q, w)
         cfg = dataclasses.replace(cfg, tma=use_tma, warp_spec=cfg.warp_spec and use_tma,
-                                  async_mma=cfg.async_mma and use_tma)
+                                  async_mma=cfg.async_mma and use_tma and hopper_wgmma(x_q.device))
     if raw:
         x_s = w_s = out
         stride_as = 0
