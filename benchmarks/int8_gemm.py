@@ -3,6 +3,7 @@ before quant_kernels/int8_gemm.py, and that Triton kernel (with and without its 
 
     python benchmarks/int8_gemm.py [--check] [--sweep] [--m 64,256,1024,4096,16384] [--no-compile]
     python benchmarks/int8_gemm.py --compile-only     (no GPU needed)
+    python benchmarks/int8_gemm.py --check --tiles all [--tiles-m 512,2048,8192]   (+ --compile-only: no GPU)
 
 Shapes (K -> N): qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096. Each timing is
 the median of CUDA-graph replays of one graph that runs the matmul over enough weight copies
@@ -24,6 +25,9 @@ TFLOP/s counts 2*M*N*K; "x bf16" is the ratio to bf16's time (higher is faster).
          bf16 rounding of the fp32 epilogue), and once through CUDA-graph replays (split-K counters).
 --sweep: tile configurations per shape at --sweep-m (default 256,1024,4096,16384), best first, and the
          best per shape and M at the end.
+--tiles: the named tiles of G.INT8_TILES (<= 10, one compile each) with bf16 and the table's default,
+         every shape at --tiles-m, then per M the 8B layer's sum of the four matmuls (x bf16) and the
+         best tile per shape; with --check first each tile against exact references (check_tiles).
 --compile-only: every variant compiled for sm_90a without a GPU (stand-in driver), with its
          registers, spills and shared memory; FAIL lines for what does not compile.
 """
@@ -305,7 +309,112 @@ def sweep(ms_list, only: str = ""):
             f"(default {flop / (d * 1e-3) / 1e12:7.1f})")
 
 
-def compile_only(ms_list) -> int:
+# ---------------------------------------------------------------------------------------------
+# named tiles (G.INT8_TILES): one compile each, every shape at a few M, bf16 alongside
+# ---------------------------------------------------------------------------------------------
+
+def tile_names(arg: str) -> list[str]:
+    names = list(G.INT8_TILES) if arg == "all" else [n.strip() for n in arg.split(",") if n.strip()]
+    unknown = [n for n in names if n not in G.INT8_TILES]
+    if unknown:
+        raise SystemExit(f"unknown tiles {unknown}; known: {', '.join(G.INT8_TILES)}")
+    return names
+
+
+def check_tiles(names) -> int:
+    """Each named tile against exact references: the int32 accumulator at M = 2048 (the timed
+    specialization) and M = 333 (a partial M tile), and the scaled bf16 output with and without
+    bias at 333, on qkv and down (K = 14336: 112 K tiles)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    failures = 0
+    for shape in ("qkv", "down"):
+        K, N = SHAPES[shape]
+        w, ws = int8_weight(N, K, gen)
+        bias = torch.randn(N, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        for M in (2048, 333):
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            q, s = G.quantize_int8_per_token(x)
+            q[0] = -128  # the extremes: -128 * -128 over all of K
+            w[0] = -128
+            acc_ref = (q.double() @ w.double().t()).to(torch.int32)
+            mag = (q.double().abs() @ w.double().abs().t()).float()
+            for name in names:
+                cfg = G.INT8_TILES[name]
+                try:
+                    acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=cfg)
+                    bad = (acc != acc_ref).sum().item()
+                    if M != 2048:
+                        for b in (None, bias):
+                            bad += beyond_one_rounding(G.int8_gemm(q, s, w, ws, b, config=cfg), acc_ref, mag, s, ws, b)
+                except Exception as e:  # noqa: BLE001 - report every tile
+                    log(f"FAIL tile {name} {shape} M={M}: {type(e).__name__}: {str(e)[:300]}")
+                    failures += 1
+                    continue
+                if bad:
+                    failures += 1
+                    log(f"FAIL tile {name} {shape} M={M}: {bad} wrong values")
+                else:  # one line per launch group, so that a hang names its tile
+                    log(f"  check {shape} M={M} {name}: exact")
+            del acc_ref, mag
+    log(f"check tiles: {failures} failure(s) over {len(names)} tiles")
+    return failures
+
+
+def time_tiles(names, ms_list):
+    """µs per shape and M: bf16 F.linear, the table's default (int8_gemm without a config) and every
+    named tile on already-quantized activations; then the sum over the four matmuls of an 8B layer."""
+    import time
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    methods = ["bf16", "default"] + list(names)
+    us = {}  # (method, shape, M) -> µs
+    first_call = {}
+    for shape, (K, N) in SHAPES.items():
+        wb = [(torch.randn(N, K, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+              for _ in range(copies_for(2 * N * K))]
+        wq = [int8_weight(N, K, gen) for _ in range(copies_for(N * K))]
+        for M in ms_list:
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+            q, s = G.quantize_int8_per_token(x)
+            for method in methods:
+                if method == "bf16":
+                    fns = [lambda w=w: F.linear(x, w) for w in wb]
+                else:
+                    cfg = None if method == "default" else G.INT8_TILES[method]
+                    fns = [lambda w=w, cfg=cfg: G.int8_gemm(q, s, w[0], w[1], config=cfg) for w in wq]
+                try:
+                    if method not in first_call:  # the compile, once per kernel variant
+                        t = time.perf_counter()
+                        fns[0]()
+                        torch.cuda.synchronize()
+                        first_call[method] = time.perf_counter() - t
+                    ms = graph_ms(fns, iters=10)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    log(f"  {shape} M={M} {method}: ERROR {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                us[(method, shape, M)] = ms * 1e3
+                log(f"  {shape:8s} M={M:6d} {method:26s} {ms * 1e3:9.1f} us "
+                    f"{2 * M * N * K / (ms * 1e-3) / 1e12:7.1f} TOP/s")
+            del x, q, s
+        del wb, wq
+        torch.cuda.empty_cache()
+    log("\nfirst calls (compile + run), s: " + ", ".join(f"{m} {t:.1f}" for m, t in first_call.items()))
+    for M in ms_list:
+        log(f"\nM = {M}: µs per matmul, the layer's sum (qkv + o + gate_up + down) and x bf16 (layer sum)")
+        log(f"{'method':26s} " + " ".join(f"{n:>9s}" for n in SHAPES) + f" {'layer':>9s} {'x bf16':>7s}")
+        base = sum(us.get(("bf16", n, M), float("nan")) for n in SHAPES)
+        rows = []
+        for method in methods:
+            cells = [us.get((method, n, M), float("nan")) for n in SHAPES]
+            rows.append((sum(cells), method, cells))
+        for total, method, cells in sorted(rows, key=lambda r: (r[1] != "bf16", r[0])):
+            log(f"{method:26s} " + " ".join(f"{c:9.1f}" for c in cells) + f" {total:9.1f} {base / total:7.2f}")
+        best = [min((us.get((m, n, M), float("inf")), m) for m in names) for n in SHAPES]
+        total = sum(b[0] for b in best)
+        log(f"{'best tile per shape':26s} " + " ".join(f"{b[0]:9.1f}" for b in best) + f" {total:9.1f} {base / total:7.2f}")
+        log("  best: " + ", ".join(f"{n} {b[1]}" for n, b in zip(SHAPES, best)))
+
+
+def compile_only(ms_list, tiles_only=()) -> int:
     """Every kernel variant the table, --check and --sweep launch, compiled for sm_90a on this
     machine (no GPU needed: benchmarks/quant_kernels_compile.py's stand-in driver); prints registers,
     spills and shared memory per variant."""
@@ -315,11 +424,19 @@ def compile_only(ms_list) -> int:
     QC.install_fake_sm90_driver(compiled)
     jobs = []
     for name, (K, N) in SHAPES.items():
-        w, ws = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
-        for M in sorted(set(ms_list) | {1, 16, 33, 100}):
+        w, ws, b = torch.empty(N, K, dtype=torch.int8), torch.empty(N), torch.empty(N, dtype=torch.bfloat16)
+        for M in sorted(set(ms_list) | ({333} if tiles_only else {1, 16, 33, 100})):
             x, q, s = torch.empty(M, K, dtype=torch.bfloat16), torch.empty(M, K, dtype=torch.int8), torch.empty(M, 1)
-            cfgs = [G.default_int8_config(M, N, K)] + (sweep_configs(M) + [WS_CONFIG] if M > 256 else [])
             jobs.append((f"quant {name} M={M}", lambda x=x: G.quantize_int8_per_token(x)))
+            if tiles_only:  # what --tiles --check and the timings launch
+                for n in tiles_only:
+                    c = G.INT8_TILES[n]
+                    jobs += [(f"{name} M={M} {n}", lambda q=q, s=s, w=w, ws=ws, c=c: G.int8_gemm(q, s, w, ws, config=c)),
+                             (f"{name} M={M} {n} bias", lambda q=q, s=s, w=w, ws=ws, b=b, c=c: G.int8_gemm(q, s, w, ws, b, config=c)),
+                             (f"{name} M={M} {n} raw", lambda q=q, w=w, c=c: G.int8_gemm(q, None, w, None, out_dtype=torch.int32,
+                                                                                        config=c))]
+                continue
+            cfgs = [G.default_int8_config(M, N, K)] + (sweep_configs(M) + [WS_CONFIG] if M > 256 else [])
             jobs += [(f"{name} M={M} {c.describe()}", lambda q=q, s=s, w=w, ws=ws, c=c: G.int8_gemm(q, s, w, ws, config=c))
                      for c in cfgs]
     seen, failures = set(), 0
@@ -357,17 +474,27 @@ def main(argv=None):
     ap.add_argument("--sweep-m", default="256,1024,4096,16384")
     ap.add_argument("--sweep-only", default="", help="sweep only configurations whose description has this "
                     "text (e.g. 'tma')")
+    ap.add_argument("--tiles", default="", help="named tiles of G.INT8_TILES ('all' or comma-separated): "
+                    "with --check, each against exact references; then every shape at --tiles-m with bf16 "
+                    "and the table's default, and the 8B layer's sum per M")
+    ap.add_argument("--tiles-m", default="512,2048,8192")
     ap.add_argument("--no-compile", action="store_true", help="time the int_mm path as eager torch ops")
     ap.add_argument("--compile-only", action="store_true",
                     help="no GPU: compile every variant for sm_90a and print registers / spills / smem")
     args = ap.parse_args(argv)
-    ms_list = parse_ms(args.m)
+    tiles = tile_names(args.tiles) if args.tiles else []
+    ms_list = parse_ms(args.tiles_m if tiles else args.m)
     sweep_ms = parse_ms(args.sweep_m)
     if args.compile_only:
-        raise SystemExit(1 if compile_only(ms_list) else 0)
+        raise SystemExit(1 if compile_only(ms_list, tiles) else 0)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/int8_gemm.py needs a CUDA GPU")
     log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if tiles:
+        if args.check and check_tiles(tiles):
+            raise SystemExit(1)
+        time_tiles(tiles, ms_list)
+        return
     if args.check and check(ms_list):
         raise SystemExit(1)
     if args.sweep:

@@ -166,6 +166,61 @@ def test_layer_gpu_matmul_matches_its_emulation(activations, gen):
         torch.testing.assert_close(compiled(x[:m]), got[:m], rtol=0, atol=0)
 
 
+SYNC_TILES = [n for n, c in G.INT8_TILES.items() if not c.async_mma]
+
+
+def test_named_tiles_are_named_by_their_fields():
+    assert len(G.INT8_TILES) <= 10  # the device sweep compiles each once
+    for name, cfg in G.INT8_TILES.items():
+        assert cfg.name == name and cfg.tma and cfg.split_k == 1
+        assert cfg.async_mma == name.startswith("async_") and cfg.warp_spec == name.startswith("tmaws_")
+
+
+@pytest.mark.parametrize("name", SYNC_TILES)
+def test_named_triton_tiles_are_exact(name, gen):
+    # the Triton-kernel tiles run in the interpreter; the Gluon (async_*) ones cannot (Gluon has no
+    # interpreter): test_async_mma_tiles_compile_for_sm90 and benchmarks/int8_gemm.py --tiles --check
+    M, N, K = 150, 136, 272  # a partial M and N tile, two full K tiles and a partial one
+    q, w = rand_int8((M, K), gen), rand_int8((N, K), gen)
+    q[0, :] = -128
+    w[0, :] = -128
+    acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=G.INT8_TILES[name])
+    assert torch.equal(acc, exact_acc(q, w))
+
+
+def test_table_async_tile_falls_back_without_tma(gen, monkeypatch):
+    # a table entry naming the async kernel runs the pointer kernel with the same tile where TMA
+    # cannot load the tensors (K % 16 != 0)
+    monkeypatch.setattr(G, "INT8_CONFIG_TABLE", [(1 << 62, G.INT8_TILES["async_64x128x128_w4s4"])])
+    cfg = G.default_int8_config(300, 72, 200)
+    assert cfg.async_mma and cfg.split_k == 1
+    M, N, K = 70, 72, 200
+    x = torch.randn(M, K, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    q, s = G.quantize_int8_per_token(x)
+    w = rand_int8((N, K), gen)
+    ws = torch.rand(N, generator=gen, device=DEVICE) * 1e-3 + 1e-4
+    assert not G.tma_supported(q, w)
+    assert_one_rounding(G.int8_gemm(q, s, w, ws), q, s, w, ws)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU check is benchmarks/int8_gemm.py --tiles --check")
+def test_async_mma_tiles_compile_for_sm90():
+    # compiled for sm_90a by the stand-in driver in a fresh process (it replaces Triton's driver):
+    # the Gluon kernel with and without bias, the raw int32 accumulator, a partial M tile
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "int8_gemm.py"), "--compile-only",
+                          "--tiles", "async_128x128x128_w4s3", "--tiles-m", "512"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "0 failures" in res.stdout and "STACK:0" in res.stdout
+    stacks = [w for w in res.stdout.split() if w.startswith("STACK:")]
+    assert stacks and all(w == "STACK:0" for w in stacks), "register spills"
+
+
 def test_bad_inputs_raise_value_errors(gen):
     q, w = rand_int8((4, 64), gen), rand_int8((32, 64), gen)
     s, ws = torch.ones(4, 1, device=DEVICE), torch.ones(32, device=DEVICE)
