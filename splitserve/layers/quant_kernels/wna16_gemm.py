@@ -31,6 +31,7 @@ import triton.language as tl
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
+from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
 # WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
@@ -39,6 +40,11 @@ from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_
 # wna16_gemm(config=...) until it is made faster.
 WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
+# From WNA16_DEQUANT_MIN_M up to WNA16_TILED_MAX_M tokens (no act-order), wna16_tiled.py's kernel
+# instead of the dequantize path: it dequantizes each weight tile in registers to the same bits and
+# keeps the tensor-core accumulator free of per-tile corrections. 0 (off) until the H100 sweep
+# (benchmarks/wna16_tiled.py --check --sweep) shows where it beats dequantize + cuBLAS.
+WNA16_TILED_MAX_M = 0
 # Up to WNA16_GEMV_MAX_M tokens wna16_linear takes the GEMV kernel (wna16_gemv.py: no tensor cores,
 # no padding of x to 16 rows). Its FFMAs grow with the token count while the dot kernel's work does
 # not: on the H100 sweep (best tiles per shape, 8B layers) the GEMV took 2.12 / 2.61 / 4.31 ms at
@@ -231,13 +237,16 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
-def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False) -> str:
-    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k" or "dequant". The GEMV
-    only for symmetric int4, the case its tiles were swept for: with zero points its default tiles
-    made the 8B decode slower than the split-K kernel (5.20 against 4.42 ms/token, BENCHMARKS.md)."""
+def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False, has_perm: bool = False) -> str:
+    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k", "tiled" or "dequant".
+    The GEMV only for symmetric int4, the case its tiles were swept for: with zero points its default
+    tiles made the 8B decode slower than the split-K kernel (5.20 against 4.42 ms/token,
+    BENCHMARKS.md). Act-order weights (perm) never take the tiled kernel."""
     if M <= WNA16_GEMV_MAX_M and bits == 4 and not has_zeros:
         return "gemv"
-    return "split_k" if M < WNA16_DEQUANT_MIN_M else "dequant"
+    if M < WNA16_DEQUANT_MIN_M:
+        return "split_k"
+    return "tiled" if M <= WNA16_TILED_MAX_M and not has_perm else "dequant"
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -253,10 +262,12 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.device.type != "cuda":
         out = reference.wna16_gemm_ref(x2, qweight, scales, zeros, bits=bits, group_size=group_size,
                                        perm=perm, bias=bias).to(x.dtype)
-    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None)) == "gemv":
+    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None, has_perm=perm is not None)) == "gemv":
         out = wna16_gemv(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     elif route == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
+    elif route == "tiled":
+        out = wna16_tiled_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
     else:
         w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
         xp = x2 if perm is None else x2.index_select(1, perm)
