@@ -35,27 +35,29 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from splitserve.layers.quant_kernels import reference as R  # noqa: E402
 from splitserve.layers.quant_kernels import wna16_gemm as WNA  # noqa: E402
 from splitserve.layers.quant_kernels import wna16_tiled as T  # noqa: E402
+from splitserve.layers.quant_kernels import wna16_wgmma as WG  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
-C = T.WNA16TiledConfig
-# (block_m tokens, block_n features, block_k, warps, stages, swap_ab). CPU compile for sm_90a
-# (--cpu-compile): none spills; 4-warp 128x128 tiles use ~255 registers (2 programs per SM), the
-# 8-warp ones 128-210.
+C, G = T.WNA16TiledConfig, WG.WNA16WgmmaConfig
+# "t": wna16_tiled (Triton; "s" its swap-AB orientation), "g": wna16_wgmma (Gluon, async wgmma).
+# Name: tokens x features x block_k, warps, stages. CPU compile for sm_90a (--cpu-compile): none
+# spills; 2 programs per SM fit for the 4-warp 128x128 tiles (~255 registers, <= 112 KB shared).
 VARIANTS = {
     "t128x128x64w4s3": C(128, 128, 64, 4, 3),
     "t128x128x64w8s4": C(128, 128, 64, 8, 4),
     "t64x128x64w4s4": C(64, 128, 64, 4, 4),
-    "t128x64x64w4s4": C(128, 64, 64, 4, 4),
-    "t128x256x64w8s3": C(128, 256, 64, 8, 3),
     "t256x128x64w8s3": C(256, 128, 64, 8, 3),
-    "t128x128x128w8s3": C(128, 128, 128, 8, 3),
-    "s64x128x64w4s4": C(64, 128, 64, 4, 4, swap_ab=True),
-    "s128x128x64w4s3": C(128, 128, 64, 4, 3, swap_ab=True),
+    "t128x256x64w8s3": C(128, 256, 64, 8, 3),
     "s128x128x64w8s4": C(128, 128, 64, 8, 4, swap_ab=True),
-    "s256x128x64w8s3": C(256, 128, 64, 8, 3, swap_ab=True),
-    "s128x256x64w8s3": C(128, 256, 64, 8, 3, swap_ab=True),
+    "g128x128x64w4s4": G(128, 128, 64, 4, 4),
+    "g128x128x64w8s4": G(128, 128, 64, 8, 4),
+    "g256x128x64w8s4": G(256, 128, 64, 8, 4),
+    "g128x256x64w8s4": G(128, 256, 64, 8, 4),
+    "g64x128x64w4s5": G(64, 128, 64, 4, 5),
+    "g256x128x64w8s3": G(256, 128, 64, 8, 3),
 }
+DEFAULTS = {"t-default": C, "g-default": G}  # check()'s default-tile cases, one per kernel
 
 
 def log(*a):
@@ -69,7 +71,10 @@ def rand_int4(N, K, gen, device="cuda"):
 
 
 def tiled(x, w, cfg, zeros=None, bits=4, bias=None):
-    return T.wna16_tiled_gemm(x, w[0], w[1], zeros, bits=bits, group_size=GROUP, bias=bias, config=cfg)
+    """cfg: a variant's config, or C / G (the classes) for that kernel's default tiles."""
+    kernel = WG.wna16_wgmma_gemm if cfg is G or isinstance(cfg, G) else T.wna16_tiled_gemm
+    return kernel(x, w[0], w[1], zeros, bits=bits, group_size=GROUP, bias=bias,
+                  config=None if cfg in (C, G) else cfg)
 
 
 def dequant_mm(x, w):
@@ -116,21 +121,38 @@ def check() -> int:
             except Exception as e:  # noqa: BLE001 - one call must give every answer it can
                 fails += 1
                 log(f"  FAIL {vname} {name}: {type(e).__name__}: {str(e)[:300]}")
-        try:  # the default tiles on the other cases
-            for M, dtype in ((1000, torch.bfloat16), (300, torch.float16)):
-                x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
-                bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
-                for wi, bits, what in ((i4, 4, "int4"), (i4z, 4, "int4 zp"), (i8, 8, "int8")):
-                    out = T.wna16_tiled_gemm(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP, bias=bias)
-                    ref = R.wna16_gemm_ref(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP, bias=bias)
-                    w_kn = WNA.wna16_dequantize(wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP,
-                                                dtype=dtype)
-                    today = torch.addmm(bias, x, w_kn)
-                    report(f"default {what} {str(dtype)[6:]} bias {name} M={M}", out, ref, today,
-                           tol=4e-3 if dtype == torch.bfloat16 else 1e-3)
+        for dname, dcfg in DEFAULTS.items():  # each kernel's default tiles on the other cases
+            try:
+                for M, dtype in ((1000, torch.bfloat16), (300, torch.float16)):
+                    x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+                    bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
+                    for wi, bits, what in ((i4, 4, "int4"), (i4z, 4, "int4 zp"), (i8, 8, "int8")):
+                        out = tiled(x, (wi.qweight, wi.scales), dcfg, wi.zeros, bits, bias)
+                        ref = R.wna16_gemm_ref(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP,
+                                               bias=bias)
+                        w_kn = WNA.wna16_dequantize(wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP,
+                                                    dtype=dtype)
+                        today = torch.addmm(bias, x, w_kn)
+                        report(f"{dname} {what} {str(dtype)[6:]} bias {name} M={M}", out, ref, today,
+                               tol=4e-3 if dtype == torch.bfloat16 else 1e-3)
+            except Exception as e:  # noqa: BLE001
+                fails += 1
+                log(f"  FAIL {dname} {name}: {type(e).__name__}: {str(e)[:300]}")
+    # N not a multiple of any tile (nor of 16) and M tails: a small shape, both kernels' default tiles
+    K, N, M = 512, 200, 77
+    w = L.quantize_rtn(torch.randn(N, K, device="cuda", generator=gen) * 0.02, 4, GROUP, symmetric=False)
+    w.scales = w.scales.float()
+    x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
+    bias = torch.randn(N, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = R.wna16_gemm_ref(x, w.qweight, w.scales, w.zeros, bits=4, group_size=GROUP, bias=bias)
+    today = torch.addmm(bias, x, WNA.wna16_dequantize(w.qweight, w.scales, w.zeros, bits=4, group_size=GROUP))
+    for dname, dcfg in DEFAULTS.items():
+        try:
+            report(f"{dname} int4 zp bias K={K} N={N} M={M}", tiled(x, (w.qweight, w.scales), dcfg, w.zeros, 4, bias),
+                   ref, today)
         except Exception as e:  # noqa: BLE001
             fails += 1
-            log(f"  FAIL default {name}: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  FAIL {dname} tail shape: {type(e).__name__}: {str(e)[:300]}")
     log(f"check: {fails} failures")
     return fails
 
@@ -139,22 +161,34 @@ def check() -> int:
 # timing
 # ---------------------------------------------------------------------------------------------
 
-def _compile_job(names):
-    """Child process: one launch per variant (symmetric int4, bf16) into Triton's disk cache."""
+def _compile_job(jobs):
+    """Child process: one launch per (variant or DEFAULTS name, bits, zero points, dtype, bias) into
+    Triton's disk cache."""
     sys.path.insert(0, ROOT)
     gen = torch.Generator(device="cuda").manual_seed(0)
     K, N = SHAPES["o"]
-    w = rand_int4(N, K, gen)
-    x = torch.randn(256, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w4, w8 = rand_int4(N, K, gen), (torch.randint(-2**31, 2**31 - 1, (K // 4, N), dtype=torch.int32, device="cuda",
+                                                  generator=gen), rand_int4(N, K, gen)[1])
+    zeros = torch.randint(0, 16, (K // GROUP, N), dtype=torch.uint8, device="cuda", generator=gen)
     done = 0
-    for name in names:
+    for name, bits, zp, dtype, bias in jobs:
+        x = torch.randn(256 if name in VARIANTS else 1000, K, device="cuda", dtype=dtype, generator=gen)
+        b = torch.randn(N, device="cuda", dtype=dtype, generator=gen) if bias else None
         try:
-            tiled(x, w, VARIANTS[name])
+            tiled(x, w4 if bits == 4 else w8, VARIANTS.get(name) or DEFAULTS[name], zeros if zp else None, bits, b)
             done += 1
-        except Exception:  # noqa: BLE001 - the parent times it again and reports the error
+        except Exception:  # noqa: BLE001 - the parent runs it again and reports the error
             pass
     torch.cuda.synchronize()
     return done
+
+
+def compile_jobs(variants, do_check: bool):
+    jobs = [(v, 4, False, torch.bfloat16, False) for v in variants]
+    if do_check:  # check()'s default-tile cases
+        jobs += [(d, bits, zp, dtype, True) for d in DEFAULTS for dtype in (torch.bfloat16, torch.float16)
+                 for bits, zp in ((4, False), (4, True), (8, False))]
+    return jobs
 
 
 def sweep(ms_list, layers: int, variants: list[str]):
@@ -226,11 +260,12 @@ def cpu_compile() -> int:
     sc, zs = torch.empty(K // GROUP, N), torch.empty(K // GROUP, N, dtype=torch.uint8)
     cases = [(v, lambda cfg=cfg: tiled(torch.empty(256, K, dtype=torch.bfloat16), (qw, sc), cfg))
              for v, cfg in VARIANTS.items()]
-    for dtype in (torch.bfloat16, torch.float16):
-        x, bias = torch.empty(1000, K, dtype=dtype), torch.empty(N, dtype=dtype)
-        cases += [(f"default int4 {dtype}", lambda x=x, b=bias: T.wna16_tiled_gemm(x, qw, sc, None, bits=4, group_size=GROUP, bias=b)),
-                  (f"default int4 zp {dtype}", lambda x=x, b=bias: T.wna16_tiled_gemm(x, qw, sc, zs, bits=4, group_size=GROUP, bias=b)),
-                  (f"default int8 {dtype}", lambda x=x, b=bias: T.wna16_tiled_gemm(x, qw8, sc, None, bits=8, group_size=GROUP, bias=b))]
+    for dname, dcfg in DEFAULTS.items():
+        for dtype in (torch.bfloat16, torch.float16):
+            x, bias = torch.empty(1000, K, dtype=dtype), torch.empty(N, dtype=dtype)
+            cases += [(f"{dname} int4 {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, None, 4, b)),
+                      (f"{dname} int4 zp {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, zs, 4, b)),
+                      (f"{dname} int8 {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw8, sc), d, None, 8, b))]
     fails = 0
     for what, fn in cases:
         t0 = time.time()
@@ -241,7 +276,7 @@ def cpu_compile() -> int:
             log(f"FAIL {what}: {type(e).__name__}: {str(e)[:600]}")
             continue
         k = compiled[-1]
-        log(f"{what:28s} warps={k.metadata.num_warps} stages={k.metadata.num_stages} smem={k.metadata.shared} "
+        log(f"{what:28s} warps={k.metadata.num_warps} smem={k.metadata.shared} "
             f"{resources(k, None)} [{time.time() - t0:.0f} s]")
     log(f"{len(cases) - fails} compiled, {fails} failures")
     return fails
@@ -255,7 +290,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--cpu-compile", action="store_true")
-    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.cpu_compile:
@@ -265,10 +300,11 @@ def main() -> None:
     t0 = time.time()
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {__import__('triton').__version__}")
     ctx = get_context("spawn")
-    workers = max(1, min(args.workers, len(variants)))
+    jobs = compile_jobs(variants, args.check)
+    workers = max(1, min(args.workers, len(jobs)))
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        done = sum(pool.map(_compile_job, [variants[i::workers] for i in range(workers)]))
-    log(f"compiled {done}/{len(variants)} variants [{time.time() - t0:.0f} s]")
+        done = sum(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
+    log(f"compiled {done}/{len(jobs)} kernels [{time.time() - t0:.0f} s]")
     out = {"device": torch.cuda.get_device_name()}
     if args.check:
         out["check_failures"] = check()

@@ -82,3 +82,13 @@ def test_tiled_errors_and_route(monkeypatch):
     assert W.wna16_route(65) == W.wna16_route(1024, has_zeros=True) == W.wna16_route(256, bits=8) == "tiled"
     assert W.wna16_route(1025) == "dequant"
     assert W.wna16_route(256, has_perm=True) == "dequant"  # act-order stays on dequantize + cuBLAS
+
+
+def test_tiled_route_kernel_choice(monkeypatch):
+    """With WNA16_TILED_WGMMA the Gluon kernel is taken only where it runs (Hopper); elsewhere, as
+    here, the Triton kernel computes the same function."""
+    monkeypatch.setattr(W, "WNA16_TILED_WGMMA", True)
+    w = random_weight(48, 256, 4, 128, True)
+    x = torch.randn(70, 256, device=DEVICE, dtype=torch.bfloat16)
+    out = W._tiled(x, w.qweight, w.scales, w.zeros, bits=4, group_size=128, bias=None)
+    check(out, x, w, 4, 128, None, torch.bfloat16)

@@ -45,6 +45,9 @@ WNA16_DEQUANT_MIN_M = 65
 # keeps the tensor-core accumulator free of per-tile corrections. 0 (off) until the H100 sweep
 # (benchmarks/wna16_tiled.py --check --sweep) shows where it beats dequantize + cuBLAS.
 WNA16_TILED_MAX_M = 0
+# The tiled route's kernel: wna16_wgmma.py's (Gluon; async wgmma overlapping the next tile's
+# dequantization; Hopper only, the Triton one elsewhere) when True, else wna16_tiled.py's (Triton).
+WNA16_TILED_WGMMA = False
 # Up to WNA16_GEMV_MAX_M tokens wna16_linear takes the GEMV kernel (wna16_gemv.py: no tensor cores,
 # no padding of x to 16 rows). Its FFMAs grow with the token count while the dot kernel's work does
 # not: on the H100 sweep (best tiles per shape, 8B layers) the GEMV took 2.12 / 2.61 / 4.31 ms at
@@ -249,6 +252,17 @@ def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False, has_perm: boo
     return "tiled" if M <= WNA16_TILED_MAX_M and not has_perm else "dequant"
 
 
+def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *,
+           bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The tiled route: the Gluon wgmma kernel where WNA16_TILED_WGMMA and the call allow it."""
+    if WNA16_TILED_WGMMA:
+        from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+        if wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
+            return wna16_wgmma.wna16_wgmma_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size,
+                                                bias=bias)
+    return wna16_tiled_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
+
+
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  *, bits: int, group_size: int, perm: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,7 +281,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     elif route == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     elif route == "tiled":
-        out = wna16_tiled_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
+        out = _tiled(x2, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
     else:
         w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
         xp = x2 if perm is None else x2.index_select(1, perm)
