@@ -138,8 +138,9 @@ def check() -> int:
             except Exception as e:  # noqa: BLE001
                 fails += 1
                 log(f"  FAIL {dname} {name}: {type(e).__name__}: {str(e)[:300]}")
-    # N not a multiple of any tile (nor of 16) and M tails: a small shape, both kernels' default tiles
-    K, N, M = 512, 200, 77
+    # N not a multiple of the tiles and M tails: a small shape, both kernels' default tiles (N % 16 == 0:
+    # wna16_tiled_supports)
+    K, N, M = 512, 208, 77
     w = L.quantize_rtn(torch.randn(N, K, device="cuda", generator=gen) * 0.02, 4, GROUP, symmetric=False)
     w.scales = w.scales.float()
     x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
@@ -266,6 +267,9 @@ def cpu_compile() -> int:
             cases += [(f"{dname} int4 {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, None, 4, b)),
                       (f"{dname} int4 zp {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, zs, 4, b)),
                       (f"{dname} int8 {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw8, sc), d, None, 8, b))]
+    tq, ts, tz = torch.empty(64, 208, dtype=torch.int32), torch.empty(4, 208), torch.empty(4, 208, dtype=torch.uint8)
+    tx, tb = torch.empty(77, 512, dtype=torch.bfloat16), torch.empty(208, dtype=torch.bfloat16)
+    cases += [(f"{d} tail shape", lambda d=dcfg: tiled(tx, (tq, ts), d, tz, 4, tb)) for d, dcfg in DEFAULTS.items()]
     fails = 0
     for what, fn in cases:
         t0 = time.time()

@@ -82,6 +82,9 @@ def test_tiled_errors_and_route(monkeypatch):
     assert W.wna16_route(65) == W.wna16_route(1024, has_zeros=True) == W.wna16_route(256, bits=8) == "tiled"
     assert W.wna16_route(1025) == "dequant"
     assert W.wna16_route(256, has_perm=True) == "dequant"  # act-order stays on dequantize + cuBLAS
+    assert W.wna16_route(256, N=200) == "dequant"  # N % 16: Triton 3.6 cannot compile the kernel
+    with pytest.raises(ValueError, match="multiple of 16"):
+        T.wna16_tiled_gemm(x, w.qweight[:, :24], w.scales[:, :24], None, bits=4, group_size=64)
 
 
 def test_tiled_route_kernel_choice(monkeypatch):

@@ -19,6 +19,8 @@ For few tokens the grid is N tiles x split-K slices (finished in one launch, _sp
 WNA16_GEMV_MAX_M tokens wna16_linear uses the GEMV kernel of wna16_gemv.py instead. The
 same kernel runs prefill sizes with large M tiles, but measured slower than dequantizing the weight
 to a temporary dense matrix for cuBLAS, which wna16_linear does past WNA16_SPLIT_K_MAX_M tokens.
+For that range wna16_tiled.py (Triton) and wna16_wgmma.py (Gluon) dequantize each weight tile in
+registers to the dequantize path's bits instead (route "tiled", off until WNA16_TILED_MAX_M is set).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import triton.language as tl
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
-from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm
+from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm, wna16_tiled_supports
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
 # WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
@@ -240,16 +242,17 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
-def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False, has_perm: bool = False) -> str:
+def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False, has_perm: bool = False, N: int = 16,
+                group_size: int = 128) -> str:
     """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k", "tiled" or "dequant".
     The GEMV only for symmetric int4, the case its tiles were swept for: with zero points its default
     tiles made the 8B decode slower than the split-K kernel (5.20 against 4.42 ms/token,
-    BENCHMARKS.md). Act-order weights (perm) never take the tiled kernel."""
+    BENCHMARKS.md). Act-order weights (perm) never take the tiled kernel (wna16_tiled_supports)."""
     if M <= WNA16_GEMV_MAX_M and bits == 4 and not has_zeros:
         return "gemv"
     if M < WNA16_DEQUANT_MIN_M:
         return "split_k"
-    return "tiled" if M <= WNA16_TILED_MAX_M and not has_perm else "dequant"
+    return "tiled" if M <= WNA16_TILED_MAX_M and wna16_tiled_supports(N, group_size, has_perm) else "dequant"
 
 
 def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *,
@@ -276,7 +279,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.device.type != "cuda":
         out = reference.wna16_gemm_ref(x2, qweight, scales, zeros, bits=bits, group_size=group_size,
                                        perm=perm, bias=bias).to(x.dtype)
-    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None, has_perm=perm is not None)) == "gemv":
+    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None, has_perm=perm is not None, N=N,
+                               group_size=group_size)) == "gemv":
         out = wna16_gemv(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     elif route == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)

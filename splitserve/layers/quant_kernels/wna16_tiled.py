@@ -171,9 +171,11 @@ def default_tiled_config(M: int, N: int, K: int, group_size: int) -> WNA16TiledC
     return WNA16TiledConfig(128, 128, block_k, 4, 3)
 
 
-def wna16_tiled_supports(bits: int, group_size: int, has_perm: bool) -> bool:
-    """Whether wna16_tiled_gemm takes this weight (bits 4/8, K tiles inside one group, no act-order)."""
-    return bits in (4, 8) and not has_perm and group_size % 16 == 0
+def wna16_tiled_supports(N: int, group_size: int, has_perm: bool) -> bool:
+    """Whether wna16_tiled_gemm takes this weight: no act-order, K tiles inside one group, and N a
+    multiple of 16 (otherwise Triton 3.6 fails to compile the kernel for sm_90: "Illegal shared
+    layout" in TritonGPUOptimizeDotOperands, found with benchmarks/wna16_tiled.py --cpu-compile)."""
+    return not has_perm and group_size % 16 == 0 and N % 16 == 0
 
 
 def wna16_tiled_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -187,6 +189,8 @@ def wna16_tiled_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or default_tiled_config(M, N, K, group_size)
     P = 32 // bits
+    if not wna16_tiled_supports(N, group_size, False):
+        raise ValueError(f"N={N} must be a multiple of 16 and group_size={group_size} of 16")
     if group_size % cfg.block_k or cfg.block_k % P or cfg.block_k < 16:
         raise ValueError(f"block_k={cfg.block_k} must divide group_size={group_size}, hold whole words, be >= 16")
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
