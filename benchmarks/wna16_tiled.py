@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from multiprocessing import get_context
 
 import torch
@@ -48,14 +49,16 @@ VARIANTS = {
     "t128x128x64w8s4": C(128, 128, 64, 8, 4),
     "t64x128x64w4s4": C(64, 128, 64, 4, 4),
     "t256x128x64w8s3": C(256, 128, 64, 8, 3),
-    "t128x256x64w8s3": C(128, 256, 64, 8, 3),
-    "s128x128x64w8s4": C(128, 128, 64, 8, 4, swap_ab=True),
-    "g128x128x64w4s4": G(128, 128, 64, 4, 4),
-    "g128x128x64w8s4": G(128, 128, 64, 8, 4),
-    "g256x128x64w8s4": G(256, 128, 64, 8, 4),
-    "g128x256x64w8s4": G(128, 256, 64, 8, 4),
-    "g64x128x64w4s5": G(64, 128, 64, 4, 5),
-    "g256x128x64w8s3": G(256, 128, 64, 8, 3),
+    # Gluon: split-K (0: automatic, split_k_for) wherever the output tiles give fewer than
+    # programs_per_sm programs per SM (2 where two programs fit an SM: <= ~113 KB shared, <= 255 regs x 128)
+    "g128x128x64w4s4": G(128, 128, 64, 4, 4, 0, 2.0),
+    "g128x128x64w4s4-nosplit": G(128, 128, 64, 4, 4, 1),
+    "g128x128x64w8s4": G(128, 128, 64, 8, 4, 0, 1.0),
+    "g256x128x64w8s4": G(256, 128, 64, 8, 4, 0, 1.0),
+    "g256x128x64w8s3": G(256, 128, 64, 8, 3, 0, 1.0),
+    "g128x256x64w8s4": G(128, 256, 64, 8, 4, 0, 1.0),
+    "g64x128x64w4s5": G(64, 128, 64, 4, 5, 0, 2.0),
+    "g128x64x64w4s4": G(128, 64, 64, 4, 4, 0, 2.0),
 }
 DEFAULTS = {"t-default": C, "g-default": G}  # check()'s default-tile cases, one per kernel
 
@@ -175,11 +178,17 @@ def _compile_job(jobs):
     for name, bits, zp, dtype, bias in jobs:
         x = torch.randn(256 if name in VARIANTS else 1000, K, device="cuda", dtype=dtype, generator=gen)
         b = torch.randn(N, device="cuda", dtype=dtype, generator=gen) if bias else None
-        try:
-            tiled(x, w4 if bits == 4 else w8, VARIANTS.get(name) or DEFAULTS[name], zeros if zp else None, bits, b)
-            done += 1
-        except Exception:  # noqa: BLE001 - the parent runs it again and reports the error
-            pass
+        cfg = VARIANTS.get(name) or DEFAULTS[name]
+        # a Gluon kernel compiles once with split-K and once without
+        cfgs = [replace(cfg, split_k=1), replace(cfg, split_k=2)] if isinstance(cfg, G) else [cfg]
+        if cfg is G:
+            cfgs = [WG.WNA16WgmmaConfig(split_k=1), WG.WNA16WgmmaConfig(split_k=2)]
+        for c in cfgs:
+            try:
+                tiled(x, w4 if bits == 4 else w8, c, zeros if zp else None, bits, b)
+                done += 1
+            except Exception:  # noqa: BLE001 - the parent runs it again and reports the error
+                pass
     torch.cuda.synchronize()
     return done
 
@@ -308,7 +317,7 @@ def main() -> None:
     workers = max(1, min(args.workers, len(jobs)))
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         done = sum(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
-    log(f"compiled {done}/{len(jobs)} kernels [{time.time() - t0:.0f} s]")
+    log(f"precompiled: {done} launches ok for {len(jobs)} jobs [{time.time() - t0:.0f} s]")
     out = {"device": torch.cuda.get_device_name()}
     if args.check:
         out["check_failures"] = check()

@@ -28,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_for
 from splitserve.layers.quant_kernels.wna16_layout import check_wna16_call
 
 _F32_MAGIC_BITS = 0x4B000000  # fp32 2**23: OR-ing q < 2**23 into its mantissa gives exactly 2**23 + q
@@ -40,6 +41,8 @@ class WNA16WgmmaConfig:
     block_k: int = 64     # divides the group size
     num_warps: int = 4
     stages: int = 4       # cp.async ring depth (>= 3): tiles prefetched = stages - 2
+    split_k: int = 1      # K slices (_split_k.py); 0: enough for programs_per_sm programs per SM
+    programs_per_sm: float = 1.0
 
 
 @gluon.constexpr_function
@@ -95,23 +98,26 @@ def _dequant_tile_t(words, s, z, magic, BITS: gl.constexpr, dtype: gl.constexpr)
 
 
 @gluon.jit
-def _issue_tile(t, x_smem, w_smem, a_ptr, qw_ptr, rows_x, ks_x, kw_w, cols_w, stride_am, N,
+def _issue_tile(t, kt0, x_smem, w_smem, a_ptr, qw_ptr, rows_x, ks_x, kw_w, cols_w, stride_am, N,
                 P: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """cp.async of K tile t (x [BLOCK_M, BLOCK_K] and words [BLOCK_K // P, BLOCK_N]) into stage t % STAGES."""
+    """cp.async of the program's K tile t (global tile kt0 + t: x [BLOCK_M, BLOCK_K] and words
+    [BLOCK_K // P, BLOCK_N]) into stage t % STAGES."""
     st = t % STAGES
-    k0 = t * BLOCK_K
+    k0 = (kt0 + t) * BLOCK_K
     async_copy.async_copy_global_to_shared(x_smem.index(st), a_ptr + rows_x[:, None] * stride_am + (k0 + ks_x)[None, :])
     async_copy.async_copy_global_to_shared(w_smem.index(st), qw_ptr + (k0 // P + kw_w)[:, None].to(gl.int64) * N
                                            + cols_w[None, :], mask=(cols_w < N)[None, :])
 
 
-# M changes every step: one compile for all token counts (only used in % and masks)
-@gluon.jit(do_not_specialize=["M"])
+# M changes every step, the split with M and the shape: one compile for all of them (Triton would
+# specialize each on == 1 and % 16)
+@gluon.jit(do_not_specialize=["M", "tiles_per_split", "num_splits"])
 def _wna16_wgmma_kernel(
-    a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_am, stride_om, magic,
+    a_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_am, stride_om,
+    magic, tiles_per_split, num_splits,
     BITS: gl.constexpr, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    USE_SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
 ):
     P: gl.constexpr = 32 // BITS
     KW: gl.constexpr = BLOCK_K // P
@@ -137,18 +143,24 @@ def _wna16_wgmma_kernel(
     kw_w = gl.arange(0, KW, layout=gl.SliceLayout(1, w_copy))
     cols_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, w_copy))  # masked past N
     cols = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, deq))) % N
-    num_k = K // BLOCK_K
+    # this program's K tiles: [kt0, kt0 + num_k) (split-K: slice pid_k of num_splits)
+    pid_k = gl.program_id(1)
+    kt0 = pid_k * tiles_per_split
+    num_k = gl.minimum(K // BLOCK_K - kt0, tiles_per_split)
     num_groups = K // GROUP
 
-    for t0 in gl.static_range(STAGES - 2):  # the host checks num_k >= STAGES - 2
-        _issue_tile(t0, x_smem, w_smem, a_ptr, qw_ptr, rows_x, ks_x, kw_w, cols_w, stride_am, N, P, BLOCK_K, STAGES)
+    for t0 in gl.static_range(STAGES - 2):
+        if t0 < num_k:
+            _issue_tile(t0, kt0, x_smem, w_smem, a_ptr, qw_ptr, rows_x, ks_x, kw_w, cols_w, stride_am, N, P,
+                        BLOCK_K, STAGES)
         async_copy.commit_group()
 
-    s_cur = gl.load(s_ptr + cols).to(gl.float32)
-    s_nxt = gl.load(s_ptr + gl.minimum(BLOCK_K // GROUP, num_groups - 1) * N + cols).to(gl.float32)
+    g0 = (kt0 * BLOCK_K) // GROUP
+    s_cur = gl.load(s_ptr + g0 * N + cols).to(gl.float32)
+    s_nxt = gl.load(s_ptr + gl.minimum(((kt0 + 1) * BLOCK_K) // GROUP, num_groups - 1) * N + cols).to(gl.float32)
     if HAS_ZERO:
-        z_cur = gl.load(z_ptr + cols).to(gl.float32)
-        z_nxt = gl.load(z_ptr + gl.minimum(BLOCK_K // GROUP, num_groups - 1) * N + cols).to(gl.float32)
+        z_cur = gl.load(z_ptr + g0 * N + cols).to(gl.float32)
+        z_nxt = gl.load(z_ptr + gl.minimum(((kt0 + 1) * BLOCK_K) // GROUP, num_groups - 1) * N + cols).to(gl.float32)
     else:
         z_cur = gl.full([BLOCK_N], ZERO_SYM, gl.float32, layout=gl.SliceLayout(1, deq))
         z_nxt = z_cur
@@ -158,9 +170,10 @@ def _wna16_wgmma_kernel(
         gl.thread_barrier()
         t = i + STAGES - 2
         if t < num_k:
-            _issue_tile(t, x_smem, w_smem, a_ptr, qw_ptr, rows_x, ks_x, kw_w, cols_w, stride_am, N, P, BLOCK_K, STAGES)
+            _issue_tile(t, kt0, x_smem, w_smem, a_ptr, qw_ptr, rows_x, ks_x, kw_w, cols_w, stride_am, N, P,
+                        BLOCK_K, STAGES)
         async_copy.commit_group()  # possibly empty: keeps one group per iteration for wait_group's count
-        g_pf = gl.minimum(((i + 2) * BLOCK_K) // GROUP, num_groups - 1)
+        g_pf = gl.minimum(((kt0 + i + 2) * BLOCK_K) // GROUP, num_groups - 1)
         s_pf = gl.load(s_ptr + g_pf * N + cols).to(gl.float32)
         if HAS_ZERO:
             z_pf = gl.load(z_ptr + g_pf * N + cols).to(gl.float32)
@@ -184,23 +197,40 @@ def _wna16_wgmma_kernel(
     res = gl.convert_layout(acc, out_layout)
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-    if HAS_BIAS:
-        res = res + gl.load(bias_ptr + offs_n % N).to(gl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=mask)
+    if USE_SPLIT_K:
+        # _split_k.py's protocol: fp32 partial to part[pid_k], count the arrivals per output tile;
+        # the last program of the tile sums the partials, writes out and re-arms the counter.
+        part_offs = offs_m[:, None] * N + offs_n[None, :]
+        gl.store(part_ptr + pid_k * M * N + part_offs, res, mask=mask)
+        gl.thread_barrier()  # every thread's partial stored before the (acq_rel, GPU scope) atomic
+        arrived = gl.atomic_add(count_ptr + pid, 1)
+        if arrived == num_splits - 1:
+            total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=out_layout)
+            for sk in range(0, num_splits):
+                total += gl.load(part_ptr + sk * M * N + part_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total = total + gl.load(bias_ptr + offs_n % N).to(gl.float32)[None, :]
+            gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(count_ptr + pid, 0)
+    else:
+        if HAS_BIAS:
+            res = res + gl.load(bias_ptr + offs_n % N).to(gl.float32)[None, :]
+        gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def default_wgmma_config(M: int, N: int, K: int, group_size: int) -> WNA16WgmmaConfig:
     """Placeholder tiles until the H100 sweep (benchmarks/wna16_tiled.py) picks them."""
-    return WNA16WgmmaConfig(128, 128, 64 if group_size % 64 == 0 else 32, 4, 4)
+    return WNA16WgmmaConfig(128, 128, 64 if group_size % 64 == 0 else 32, 4, 4, split_k=0, programs_per_sm=2.0)
 
 
 def wna16_wgmma_supported(x: torch.Tensor, N: int, group_size: int) -> bool:
     """Whether wna16_wgmma_gemm takes this call: a Hopper GPU (wgmma), 16-byte aligned rows for
     cp.async (x's row stride a multiple of 8 elements, N of 4 words), groups of whole 32-K tiles."""
     return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and x.stride(0) % 8 == 0
-            and x.stride(1) == 1 and N % 4 == 0 and group_size % 32 == 0 and x.shape[1] >= 2 * 64)
+            and x.stride(1) == 1 and N % 4 == 0 and group_size % 32 == 0)
 
 
 def wna16_wgmma_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -213,16 +243,18 @@ def wna16_wgmma_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or default_wgmma_config(M, N, K, group_size)
-    if group_size % cfg.block_k or cfg.block_k % 32 or K // cfg.block_k < cfg.stages - 2 or cfg.stages < 3:
-        raise ValueError(f"block_k={cfg.block_k} must be a multiple of 32 dividing group_size={group_size}, "
-                         f"with K={K} holding >= stages - 2 tiles")
+    if group_size % cfg.block_k or cfg.block_k % 32 or cfg.stages < 3:
+        raise ValueError(f"block_k={cfg.block_k} must be a multiple of 32 dividing group_size={group_size}")
     if N % 4 or x.stride(0) % 8:
         raise ValueError("N must be a multiple of 4 and x's rows 16-byte aligned (cp.async)")
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _wna16_wgmma_kernel[grid](
+    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    split = cfg.split_k or split_k_for(M, N, K, cfg.block_m, cfg.block_n, cfg.block_k, num_sms(x.device),
+                                       cfg.programs_per_sm)
+    k_per_split, num_splits, part, counters = split_k_buffers(K, split, cfg.block_k, num_tiles, out)
+    _wna16_wgmma_kernel[(num_tiles, num_splits)](
         x, qweight, scales, zeros if zeros is not None else out, bias if bias is not None else out, out,
-        M, N, K, x.stride(0), out.stride(0), _F32_MAGIC_BITS,
-        BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
+        part, counters, M, N, K, x.stride(0), out.stride(0), _F32_MAGIC_BITS, k_per_split // cfg.block_k,
+        num_splits, BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
-        num_warps=cfg.num_warps)
+        USE_SPLIT_K=num_splits > 1, num_warps=cfg.num_warps)
     return out
