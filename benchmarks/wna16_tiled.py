@@ -268,14 +268,18 @@ def cpu_compile() -> int:
     K, N = SHAPES["o"]
     qw, qw8 = torch.empty(K // 8, N, dtype=torch.int32), torch.empty(K // 4, N, dtype=torch.int32)
     sc, zs = torch.empty(K // GROUP, N), torch.empty(K // GROUP, N, dtype=torch.uint8)
-    cases = [(v, lambda cfg=cfg: tiled(torch.empty(256, K, dtype=torch.bfloat16), (qw, sc), cfg))
-             for v, cfg in VARIANTS.items()]
+    cases = []
+    for v, cfg in VARIANTS.items():  # Gluon: with and without split-K
+        for c, tag in ([(replace(cfg, split_k=1), ""), (replace(cfg, split_k=2), " split")] if isinstance(cfg, G)
+                       else [(cfg, "")]):
+            cases.append((v + tag, lambda c=c: tiled(torch.empty(256, K, dtype=torch.bfloat16), (qw, sc), c)))
     for dname, dcfg in DEFAULTS.items():
         for dtype in (torch.bfloat16, torch.float16):
             x, bias = torch.empty(1000, K, dtype=dtype), torch.empty(N, dtype=dtype)
-            cases += [(f"{dname} int4 {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, None, 4, b)),
-                      (f"{dname} int4 zp {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, zs, 4, b)),
-                      (f"{dname} int8 {str(dtype)[6:]}", lambda x=x, b=bias, d=dcfg: tiled(x, (qw8, sc), d, None, 8, b))]
+            tag = f"{dname} {str(dtype)[6:]}"
+            cases += [(f"{tag} int4", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, None, 4, b)),
+                      (f"{tag} int4 zp", lambda x=x, b=bias, d=dcfg: tiled(x, (qw, sc), d, zs, 4, b)),
+                      (f"{tag} int8", lambda x=x, b=bias, d=dcfg: tiled(x, (qw8, sc), d, None, 8, b))]
     tq, ts, tz = torch.empty(64, 208, dtype=torch.int32), torch.empty(4, 208), torch.empty(4, 208, dtype=torch.uint8)
     tx, tb = torch.empty(77, 512, dtype=torch.bfloat16), torch.empty(208, dtype=torch.bfloat16)
     cases += [(f"{d} tail shape", lambda d=dcfg: tiled(tx, (tq, ts), d, tz, 4, tb)) for d, dcfg in DEFAULTS.items()]

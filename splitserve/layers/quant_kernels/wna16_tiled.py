@@ -33,7 +33,8 @@ instructions per 64x128 int4 tile per warpgroup, against ~550 for the first vers
 through a [words, 8, N] broadcast (16-bit stores, shift + bit-field extract per value). Triton keeps
 the MMA synchronous here either way (the dequantized tile is written to shared memory inside the
 loop, which its wgmma pipelining does not accept as an async operand); the tiles are sized so two
-programs share an SM and one dequantizes while the other multiplies.
+programs share an SM and one dequantizes while the other multiplies. wna16_wgmma.py is the same
+kernel in Gluon with the MMA asynchronous.
 """
 from __future__ import annotations
 
@@ -93,10 +94,12 @@ def _dequant_tile_t(words, s, z, magic, BITS: tl.constexpr, dtype: tl.constexpr)
         c3 = z * (E * E * E) + _F32_MAGIC
         s2 = s * (1.0 / (E * E))
         s3 = s * (1.0 / (E * E * E))
-        lo = tl.join(tl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(words, 2, s2, c2, magic, BITS, dtype)),
-                     tl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(words, 3, s3, c3, magic, BITS, dtype)))
-        up = tl.join(tl.join(_value(hi, 0, s, c0, magic, BITS, dtype), _value(hi, 2, s2, c2, magic, BITS, dtype)),
-                     tl.join(_value(hi, 1, s1, c1, magic, BITS, dtype), _value(hi, 3, s3, c3, magic, BITS, dtype)))
+        lo = tl.join(
+            tl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(words, 2, s2, c2, magic, BITS, dtype)),
+            tl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(words, 3, s3, c3, magic, BITS, dtype)))
+        up = tl.join(
+            tl.join(_value(hi, 0, s, c0, magic, BITS, dtype), _value(hi, 2, s2, c2, magic, BITS, dtype)),
+            tl.join(_value(hi, 1, s1, c1, magic, BITS, dtype), _value(hi, 3, s3, c3, magic, BITS, dtype)))
         return tl.reshape(tl.join(lo, up), (BN, KW * 8))
     else:  # natural order: values 0, 1 in the low half, 2, 3 in hi
         w = tl.join(tl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(hi, 0, s, c0, magic, BITS, dtype)),

@@ -14,8 +14,9 @@ on, so every K tile waited for its MMA before the next tile's unpacking began. H
 
 so wgmma i runs while the warps unpack tile i + 1 into the other B buffer. x and the packed words
 come through a STAGES-deep cp.async ring; scales and zero points are register loads two K tiles
-ahead. Hopper only (wgmma); not runnable by the Triton interpreter: the GPU check of
-benchmarks/wna16_tiled.py is its test.
+ahead. Split-K in one launch (_split_k.py's counters) where the output tiles would leave SMs idle
+(o and down at 128-256 tokens: 32-64 tiles of 128x128 for 132 SMs). Hopper only (wgmma); not
+runnable by the Triton interpreter: the GPU check of benchmarks/wna16_tiled.py is its test.
 """
 from __future__ import annotations
 
@@ -86,10 +87,12 @@ def _dequant_tile_t(words, s, z, magic, BITS: gl.constexpr, dtype: gl.constexpr)
         c3 = z * (E * E * E) + MAGIC_F
         s2 = s * (1.0 / (E * E))
         s3 = s * (1.0 / (E * E * E))
-        lo = gl.join(gl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(words, 2, s2, c2, magic, BITS, dtype)),
-                     gl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(words, 3, s3, c3, magic, BITS, dtype)))
-        up = gl.join(gl.join(_value(hi, 0, s, c0, magic, BITS, dtype), _value(hi, 2, s2, c2, magic, BITS, dtype)),
-                     gl.join(_value(hi, 1, s1, c1, magic, BITS, dtype), _value(hi, 3, s3, c3, magic, BITS, dtype)))
+        lo = gl.join(
+            gl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(words, 2, s2, c2, magic, BITS, dtype)),
+            gl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(words, 3, s3, c3, magic, BITS, dtype)))
+        up = gl.join(
+            gl.join(_value(hi, 0, s, c0, magic, BITS, dtype), _value(hi, 2, s2, c2, magic, BITS, dtype)),
+            gl.join(_value(hi, 1, s1, c1, magic, BITS, dtype), _value(hi, 3, s3, c3, magic, BITS, dtype)))
         return gl.reshape(gl.join(lo, up), [BN, KW * 8])
     else:
         w = gl.join(gl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(hi, 0, s, c0, magic, BITS, dtype)),
