@@ -89,10 +89,21 @@ def dequant_mm(x, w):
 # correctness
 # ---------------------------------------------------------------------------------------------
 
-def check() -> int:
+def family(name: str) -> str:
+    """"g" for the Gluon kernel's variants and defaults, "t" for the Triton kernel's."""
+    return "g" if name.startswith("g") else "t"
+
+
+def check(fam: str) -> list[str]:
+    """The check of one kernel family (run in its own process: a kernel that faults takes only its
+    family's check down). Returns the variant / default names that failed."""
     from splitserve.layers.quant_kernels import wna16_layout as L
+    sys.path.insert(0, ROOT)
     fails = 0
+    failed: set[str] = set()
     gen = torch.Generator(device="cuda").manual_seed(99)
+    variants = {k: v for k, v in VARIANTS.items() if family(k) == fam}
+    defaults = {k: v for k, v in DEFAULTS.items() if family(k) == fam}
 
     def report(what, out, ref, today=None, tol=4e-3):
         nonlocal fails
@@ -105,6 +116,8 @@ def check() -> int:
             extra = f", max |out - today| {d:.3g} (output ulp ~{ulp:.3g})"
             bad |= d > 4 * ulp
         fails += bad
+        if bad:
+            failed.add(what.split()[0])
         log(f"  {'FAIL' if bad else 'ok  '} {what}: rel err {err:.2e}{extra}")
 
     for name, (K, N) in SHAPES.items():
@@ -118,13 +131,14 @@ def check() -> int:
         x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
         ref = R.wna16_gemm_ref(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP)
         today = dequant_mm(x, (i4.qweight, i4.scales))
-        for vname, cfg in VARIANTS.items():
+        for vname, cfg in variants.items():
             try:
                 report(f"{vname} {name} M={M}", tiled(x, (i4.qweight, i4.scales), cfg), ref, today)
             except Exception as e:  # noqa: BLE001 - one call must give every answer it can
                 fails += 1
+                failed.add(vname)
                 log(f"  FAIL {vname} {name}: {type(e).__name__}: {str(e)[:300]}")
-        for dname, dcfg in DEFAULTS.items():  # each kernel's default tiles on the other cases
+        for dname, dcfg in defaults.items():  # each kernel's default tiles on the other cases
             try:
                 for M, dtype in ((1000, torch.bfloat16), (300, torch.float16)):
                     x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
@@ -140,6 +154,7 @@ def check() -> int:
                                tol=4e-3 if dtype == torch.bfloat16 else 1e-3)
             except Exception as e:  # noqa: BLE001
                 fails += 1
+                failed.add(dname)
                 log(f"  FAIL {dname} {name}: {type(e).__name__}: {str(e)[:300]}")
     # N not a multiple of the tiles and M tails: a small shape, both kernels' default tiles (N % 16 == 0:
     # wna16_tiled_supports)
@@ -150,15 +165,16 @@ def check() -> int:
     bias = torch.randn(N, device="cuda", generator=gen).to(torch.bfloat16)
     ref = R.wna16_gemm_ref(x, w.qweight, w.scales, w.zeros, bits=4, group_size=GROUP, bias=bias)
     today = torch.addmm(bias, x, WNA.wna16_dequantize(w.qweight, w.scales, w.zeros, bits=4, group_size=GROUP))
-    for dname, dcfg in DEFAULTS.items():
+    for dname, dcfg in defaults.items():
         try:
             report(f"{dname} int4 zp bias K={K} N={N} M={M}", tiled(x, (w.qweight, w.scales), dcfg, w.zeros, 4, bias),
                    ref, today)
         except Exception as e:  # noqa: BLE001
             fails += 1
+            failed.add(dname)
             log(f"  FAIL {dname} tail shape: {type(e).__name__}: {str(e)[:300]}")
-    log(f"check: {fails} failures")
-    return fails
+    log(f"check {fam}: {fails} failures")
+    return sorted(failed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,13 +335,25 @@ def main() -> None:
     ctx = get_context("spawn")
     jobs = compile_jobs(variants, args.check)
     workers = max(1, min(args.workers, len(jobs)))
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        done = sum(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
-    log(f"precompiled: {done} launches ok for {len(jobs)} jobs [{time.time() - t0:.0f} s]")
+    try:
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = sum(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
+        log(f"precompiled: {done} launches ok for {len(jobs)} jobs [{time.time() - t0:.0f} s]")
+    except Exception as e:  # noqa: BLE001 - a worker that died (a faulting kernel): the check says which
+        log(f"precompile: {type(e).__name__}: {str(e)[:300]} [{time.time() - t0:.0f} s]")
     out = {"device": torch.cuda.get_device_name()}
     if args.check:
-        out["check_failures"] = check()
-        log(f"[{time.time() - t0:.0f} s]")
+        failed = []
+        for fam in ("t", "g"):
+            try:
+                with ProcessPoolExecutor(1, mp_context=ctx) as proc:
+                    failed += proc.submit(check, fam).result()
+            except Exception as e:  # noqa: BLE001 - the process died: none of the family is trusted
+                log(f"check {fam}: FAIL, the process died: {type(e).__name__}: {str(e)[:300]}")
+                failed += [v for v in list(VARIANTS) + list(DEFAULTS) if family(v) == fam]
+        out["check_failed"] = failed
+        log(f"check: {len(failed)} variants failed {failed} [{time.time() - t0:.0f} s]")
+        variants = [v for v in variants if v not in failed]
     if args.sweep:
         res = sweep(ms_list, args.layers, variants)
         out["us"] = {f"{k[0]}|{k[1]}|{k[2]}": v for k, v in res.items()}
