@@ -20,7 +20,8 @@ WNA16_GEMV_MAX_M tokens wna16_linear uses the GEMV kernel of wna16_gemv.py inste
 same kernel runs prefill sizes with large M tiles, but measured slower than dequantizing the weight
 to a temporary dense matrix for cuBLAS, which wna16_linear does past WNA16_SPLIT_K_MAX_M tokens.
 For that range wna16_tiled.py (Triton) and wna16_wgmma.py (Gluon) dequantize each weight tile in
-registers to the dequantize path's bits instead (route "tiled", off until WNA16_TILED_MAX_M is set).
+registers to the dequantize path's bits instead (route "tiled": the Gluon kernel on Hopper up to
+WNA16_TILED_MAX_M tokens).
 """
 from __future__ import annotations
 
@@ -44,12 +45,11 @@ WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
 # From WNA16_DEQUANT_MIN_M up to WNA16_TILED_MAX_M tokens (no act-order), wna16_tiled.py's kernel
 # instead of the dequantize path: it dequantizes each weight tile in registers to the same bits and
-# keeps the tensor-core accumulator free of per-tile corrections. 0 (off) until the H100 sweep
-# (benchmarks/wna16_tiled.py --check --sweep) shows where it beats dequantize + cuBLAS.
-WNA16_TILED_MAX_M = 0
-# The tiled route's kernel: wna16_wgmma.py's (Gluon; async wgmma overlapping the next tile's
-# dequantization; Hopper only, the Triton one elsewhere) when True, else wna16_tiled.py's (Triton).
-WNA16_TILED_WGMMA = False
+# keeps the tensor-core accumulator free of per-tile corrections. The H100 sweep
+# (benchmarks/wna16_tiled.py --check --sweep, BENCHMARKS.md sixteenth session), 8B layers, ms per
+# step: 7.2 against 13.8 for dequantize + cuBLAS at 128 tokens, 11.1 against 14.7 at 256; at 512
+# only gate_up still wins, and from 1024 on the dequantize path is faster (bf16: 5.7 / 6.4 ms).
+WNA16_TILED_MAX_M = 256
 # Up to WNA16_GEMV_MAX_M tokens wna16_linear takes the GEMV kernel (wna16_gemv.py: no tensor cores,
 # no padding of x to 16 rows). Its FFMAs grow with the token count while the dot kernel's work does
 # not: on the H100 sweep (best tiles per shape, 8B layers) the GEMV took 2.12 / 2.61 / 4.31 ms at
@@ -256,14 +256,15 @@ def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False, has_perm: boo
 
 
 def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *,
-           bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """The tiled route: the Gluon wgmma kernel where WNA16_TILED_WGMMA and the call allow it."""
-    if WNA16_TILED_WGMMA:
-        from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
-        if wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
-            return wna16_wgmma.wna16_wgmma_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size,
-                                                bias=bias)
-    return wna16_tiled_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
+           bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The tiled route: wna16_wgmma.py's Gluon kernel (async wgmma overlapping the next tile's
+    dequantization), on Hopper only; None where it cannot run. wna16_tiled.py's Triton twin (same
+    numerics, runnable in the interpreter) measured slower than dequantize + cuBLAS on the H100
+    sweep, so it is not a fallback here."""
+    from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+    if not wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
+        return None
+    return wna16_wgmma.wna16_wgmma_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -284,10 +285,11 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         out = wna16_gemv(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     elif route == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
-    elif route == "tiled":
-        out = _tiled(x2, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
     else:
-        w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
-        xp = x2 if perm is None else x2.index_select(1, perm)
-        out = torch.mm(xp, w_kn) if bias is None else torch.addmm(bias, xp, w_kn)
+        out = _tiled(x2, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias) \
+            if route == "tiled" else None
+        if out is None:  # dequantize to a temporary dense weight for cuBLAS
+            w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
+            xp = x2 if perm is None else x2.index_select(1, perm)
+            out = torch.mm(xp, w_kn) if bias is None else torch.addmm(bias, xp, w_kn)
     return out.reshape(*lead, N)

@@ -225,8 +225,13 @@ def _wna16_wgmma_kernel(
 
 
 def default_wgmma_config(M: int, N: int, K: int, group_size: int) -> WNA16WgmmaConfig:
-    """Placeholder tiles until the H100 sweep (benchmarks/wna16_tiled.py) picks them."""
-    return WNA16WgmmaConfig(128, 128, 64 if group_size % 64 == 0 else 32, 4, 4, split_k=0, programs_per_sm=2.0)
+    """The H100 sweep's tiles (benchmarks/wna16_tiled.py, BENCHMARKS.md sixteenth session) for the
+    8B shapes at 128-256 tokens: 128x64 tiles of 4 warps, K split for two programs an SM, except the
+    wide gate_up (N >= 16384), which has output tiles enough: 128x128 (128 tokens) or 256x128 of 8 warps."""
+    block_k = 64 if group_size % 64 == 0 else 32
+    if N >= 16384:
+        return WNA16WgmmaConfig(128 if M <= 128 else 256, 128, block_k, 8, 4, split_k=0, programs_per_sm=1.0)
+    return WNA16WgmmaConfig(128, 64, block_k, 4, 4, split_k=0, programs_per_sm=2.0)
 
 
 def wna16_wgmma_supported(x: torch.Tensor, N: int, group_size: int) -> bool:
