@@ -19,6 +19,9 @@ For few tokens the grid is N tiles x split-K slices (finished in one launch, _sp
 WNA16_GEMV_MAX_M tokens wna16_linear uses the GEMV kernel of wna16_gemv.py instead. The
 same kernel runs prefill sizes with large M tiles, but measured slower than dequantizing the weight
 to a temporary dense matrix for cuBLAS, which wna16_linear does past WNA16_SPLIT_K_MAX_M tokens.
+For that range wna16_tiled.py (Triton) and wna16_wgmma.py (Gluon) dequantize each weight tile in
+registers to the dequantize path's bits instead (route "tiled": the Gluon kernel on Hopper up to
+WNA16_TILED_MAX_M tokens).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import triton.language as tl
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
 from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
+from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm, wna16_tiled_supports
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
 # WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
@@ -39,6 +43,13 @@ from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_
 # wna16_gemm(config=...) until it is made faster.
 WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
+# From WNA16_DEQUANT_MIN_M up to WNA16_TILED_MAX_M tokens (no act-order), wna16_tiled.py's kernel
+# instead of the dequantize path: it dequantizes each weight tile in registers to the same bits and
+# keeps the tensor-core accumulator free of per-tile corrections. The H100 sweep
+# (benchmarks/wna16_tiled.py --check --sweep, BENCHMARKS.md sixteenth session), 8B layers, ms per
+# step: 7.2 against 13.8 for dequantize + cuBLAS at 128 tokens, 11.1 against 14.7 at 256; at 512
+# only gate_up still wins, and from 1024 on the dequantize path is faster (bf16: 5.7 / 6.4 ms).
+WNA16_TILED_MAX_M = 256
 # Up to WNA16_GEMV_MAX_M tokens wna16_linear takes the GEMV kernel (wna16_gemv.py: no tensor cores,
 # no padding of x to 16 rows). Its FFMAs grow with the token count while the dot kernel's work does
 # not: on the H100 sweep (best tiles per shape, 8B layers) the GEMV took 2.12 / 2.61 / 4.31 ms at
@@ -231,13 +242,29 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return out
 
 
-def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False) -> str:
-    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k" or "dequant". The GEMV
-    only for symmetric int4, the case its tiles were swept for: with zero points its default tiles
-    made the 8B decode slower than the split-K kernel (5.20 against 4.42 ms/token, BENCHMARKS.md)."""
+def wna16_route(M: int, *, bits: int = 4, has_zeros: bool = False, has_perm: bool = False, N: int = 16,
+                group_size: int = 128) -> str:
+    """Which path wna16_linear takes on CUDA for M tokens: "gemv", "split_k", "tiled" or "dequant".
+    The GEMV only for symmetric int4, the case its tiles were swept for: with zero points its default
+    tiles made the 8B decode slower than the split-K kernel (5.20 against 4.42 ms/token,
+    BENCHMARKS.md). Act-order weights (perm) never take the tiled kernel (wna16_tiled_supports)."""
     if M <= WNA16_GEMV_MAX_M and bits == 4 and not has_zeros:
         return "gemv"
-    return "split_k" if M < WNA16_DEQUANT_MIN_M else "dequant"
+    if M < WNA16_DEQUANT_MIN_M:
+        return "split_k"
+    return "tiled" if M <= WNA16_TILED_MAX_M and wna16_tiled_supports(N, group_size, has_perm) else "dequant"
+
+
+def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *,
+           bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The tiled route: wna16_wgmma.py's Gluon kernel (async wgmma overlapping the next tile's
+    dequantization), on Hopper only; None where it cannot run. wna16_tiled.py's Triton twin (same
+    numerics, runnable in the interpreter) measured slower than dequantize + cuBLAS on the H100
+    sweep, so it is not a fallback here."""
+    from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+    if not wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
+        return None
+    return wna16_wgmma.wna16_wgmma_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -253,12 +280,16 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.device.type != "cuda":
         out = reference.wna16_gemm_ref(x2, qweight, scales, zeros, bits=bits, group_size=group_size,
                                        perm=perm, bias=bias).to(x.dtype)
-    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None)) == "gemv":
+    elif (route := wna16_route(M, bits=bits, has_zeros=zeros is not None, has_perm=perm is not None, N=N,
+                               group_size=group_size)) == "gemv":
         out = wna16_gemv(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     elif route == "split_k":
         out = wna16_gemm(x2, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
     else:
-        w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
-        xp = x2 if perm is None else x2.index_select(1, perm)
-        out = torch.mm(xp, w_kn) if bias is None else torch.addmm(bias, xp, w_kn)
+        out = _tiled(x2, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias) \
+            if route == "tiled" else None
+        if out is None:  # dequantize to a temporary dense weight for cuBLAS
+            w_kn = wna16_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size, dtype=x.dtype)
+            xp = x2 if perm is None else x2.index_select(1, perm)
+            out = torch.mm(xp, w_kn) if bias is None else torch.addmm(bias, xp, w_kn)
     return out.reshape(*lead, N)
