@@ -128,7 +128,8 @@ def test_gemv_errors():
 
 def test_wna16_linear_routes():
     assert [W.wna16_route(M) for M in (1, W.WNA16_GEMV_MAX_M, W.WNA16_GEMV_MAX_M + 1, W.WNA16_SPLIT_K_MAX_M,
-                                        W.WNA16_DEQUANT_MIN_M)] == ["gemv", "gemv", "split_k", "split_k", "dequant"]
+                                        W.WNA16_DEQUANT_MIN_M, W.WNA16_TILED_MAX_M + 1)] == \
+        ["gemv", "gemv", "split_k", "split_k", "tiled", "dequant"]
     # the GEMV only where it was measured faster: symmetric int4
     assert W.wna16_route(1, has_zeros=True) == "split_k" and W.wna16_route(1, bits=8) == "split_k"
 
