@@ -142,11 +142,12 @@ def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, pro
 
 
 def default_fp8_gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> Fp8GemvConfig:
-    """Before the H100 sweep (benchmarks/fp8_gemv.py): 16 rows x 512 bytes per step, 4 warps (64 bytes,
-    4 LDG.128 per thread and step), next step prefetched, split-K for ~4 programs per SM."""
+    """Before the H100 sweep (benchmarks/fp8_gemv.py): 16 rows x 512 K per step, 4 warps (8 runs of 8
+    bytes per thread and step: 72 registers at one token, 96 at two, no spills), split-K for ~4
+    programs per SM. No prefetch: carrying the fp8 tile across iterations costs ~2 byte shuffles per
+    byte (PRMT/LOP3 in the sm_90 SASS), and several resident programs keep loads in flight anyway."""
     block_n, block_k, warps = 16, 512, 4
-    return Fp8GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, 4.0), warps,
-                         prefetch=True)
+    return Fp8GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, 4.0), warps)
 
 
 def check_fp8_gemv_call(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
