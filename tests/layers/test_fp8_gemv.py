@@ -105,3 +105,27 @@ def test_fp8_linear_routes_few_tokens_to_the_gemv(monkeypatch, gen):
     monkeypatch.setattr(F, "FP8_GEMV_MAX_M", 0)
     assert F.fp8_route(1, 1, None) != "gemv"
     assert_close(F.fp8_linear(x, w, s), R.fp8_linear_ref(x, w, s, act=F.fp8_small_m_act(2)))
+
+
+def test_fp8_method_asks_for_one_row_only_with_the_gemv_route(monkeypatch):
+    """The decode graph of one sequence (LinearMethod.cheaper_at_one_row) exists when fp8_linear would run
+    the GEMV at one token: dynamic activations, per-channel / per-tensor weights, the FP8 matmul on."""
+    from splitserve.layers.linear import Linear
+    from splitserve.layers.quantization.fp8 import Fp8Config
+
+    layer = Linear(128, 64, method=Fp8Config.online().linear_method(["x"]))
+    layer.weight.data.normal_()
+    layer.process_weights_after_loading()
+    monkeypatch.setattr(F, "FP8_GEMV_MAX_M", 2)
+    assert not layer.method.cheaper_at_one_row(layer)  # on CPU: emulated, no kernel
+    layer.fp8_scaled_mm = True  # as on CUDA
+    assert layer.method.cheaper_at_one_row(layer)
+    monkeypatch.setattr(F, "FP8_GEMV_MAX_M", 0)
+    assert not layer.method.cheaper_at_one_row(layer)
+    block = Fp8Config.from_checkpoint({"weight_block_size": [128, 128]}).linear_method(["x"])
+    monkeypatch.setattr(F, "FP8_GEMV_MAX_M", 2)
+    layer_b = Linear(128, 128, method=block)
+    layer_b.method.init_random(layer_b, torch.Generator().manual_seed(0))
+    layer_b.process_weights_after_loading()
+    layer_b.fp8_scaled_mm = True
+    assert not layer_b.method.cheaper_at_one_row(layer_b)
