@@ -390,7 +390,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], w.shape[0]
     w_mode = _weight_scale_mode(w_scale, N, K) if w.dim() == 2 else -1
-    if small_m_act is None and fp8_route(M, w_mode, input_scale) == "gemv":
+    # K % 16: 16-byte aligned weight rows (every model layer; others would load byte by byte)
+    if small_m_act is None and K % 16 == 0 and fp8_route(M, w_mode, input_scale) == "gemv":
         # W8A16: x is not quantized (more accurate than the W8A8 paths); off CUDA the same function
         out = reference.fp8_gemv_ref(x2, w, w_scale, bias) if x.device.type != "cuda" else fp8_gemv(x2, w, w_scale, bias)
         return out.reshape(*lead, N)

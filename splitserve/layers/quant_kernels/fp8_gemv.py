@@ -26,7 +26,9 @@ reached ~2.05 TB/s of weights on the H100 (BENCHMARKS.md). Here nothing goes thr
 - The weight scale is applied once per output, after the K sum (it does not vary along K).
 
 The grid is N tiles x split-K slices, finished in the same launch by _split_k.py's counters (the
-first call must be eager, before CUDA-graph capture). At most GEMV_MAX_ROWS rows of x.
+first call must be eager, before CUDA-graph capture). At most GEMV_MAX_ROWS rows of x. Any N and K
+are taken, but a K that is not a multiple of 16 leaves the rows unaligned: byte loads, slow (the
+sm_90 compile at two rows spills), so fp8_linear only routes K % 16 == 0 here.
 """
 from __future__ import annotations
 
