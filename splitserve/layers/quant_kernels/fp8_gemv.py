@@ -20,9 +20,15 @@ reached ~2.05 TB/s of weights on the H100 (BENCHMARKS.md). Here nothing goes thr
   after the loop.
 - x is loaded in the weight tile's own layout (the pointer tensor is broadcast to the tile's shape,
   so Triton's coalescing gives both the same RUN-values-per-thread layout, no layout conversion
-  goes through shared memory, and each thread loads its x runs once for all its rows); it is read from L1/L2 (the whole x of a layer is <= 28 KiB).
-- Loads in flight: several programs per SM (split-K) and, with PREFETCH, the next K step's weight
-  tile is requested into registers before this step's arithmetic.
+  goes through shared memory, and each thread loads its x runs once for all its rows); it is read
+  from L1/L2 (the whole x of a layer is <= 28 KiB).
+- Loads in flight: several programs per SM (split-K, ~7 resident at 72 registers) and all of a
+  step's loads issued before its arithmetic. PREFETCH (the next step's tile loaded into registers
+  before this step's arithmetic) is a sweep option only: the carried fp8 tile costs ~2 byte
+  shuffles per byte (PRMT/LOP3).
+- Cost on sm_90 (SASS of the K loop, 16 x 512 tiles, 4 warps, 64 bytes per thread and step):
+  212 instructions per 64 weight bytes at one token (per byte: 0.5 F2FP + 1 HADD2.F32 for the
+  conversion, 1 FFMA, the rest loads and addresses), 299 at two; 72 / 96 registers, no spills.
 - The weight scale is applied once per output, after the K sum (it does not vary along K).
 
 The grid is N tiles x split-K slices, finished in the same launch by _split_k.py's counters (the
