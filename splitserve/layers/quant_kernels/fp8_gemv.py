@@ -150,12 +150,14 @@ def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, pro
 
 
 def default_fp8_gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> Fp8GemvConfig:
-    """Before the H100 sweep (benchmarks/fp8_gemv.py): 16 rows x 512 K per step, 4 warps (8 runs of 8
-    bytes per thread and step: 72 registers at one token, 96 at two, no spills), split-K for ~4
-    programs per SM. No prefetch: carrying the fp8 tile across iterations costs ~2 byte shuffles per
-    byte (PRMT/LOP3 in the sm_90 SASS), and several resident programs keep loads in flight anyway."""
-    block_n, block_k, warps = 16, 512, 4
-    return Fp8GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, 4.0), warps)
+    """The H100 sweep's best single tiles (benchmarks/fp8_gemv.py, BENCHMARKS.md sixteenth session;
+    8B layers 2.75 ms at one token against 3.44 for the tl.dot kernel, 2.98 against 3.34 at two):
+    one token, 8 rows x 1024 K per step; two tokens, 16 x 512 (each row of x holds its own FFMA
+    chains); 4 warps, split-K for 4 / 2 programs per SM. No prefetch: carrying the fp8 tile across
+    iterations costs ~2 byte shuffles per byte (PRMT/LOP3 in the sm_90 SASS), and several resident
+    programs keep loads in flight anyway (the prefetch variant measured slowest)."""
+    block_n, block_k, per_sm = (8, 1024, 4.0) if M <= 1 else (16, 512, 2.0)
+    return Fp8GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, per_sm), 4)
 
 
 def check_fp8_gemv_call(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
