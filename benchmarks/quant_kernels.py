@@ -209,6 +209,14 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def linear_act(M: int) -> str:
+    """The activation handling fp8_linear uses for M tokens with per-channel weight scales: "none"
+    (W8A16) on the GEMV route, else per-group in the kernel, else per token."""
+    if FP8.fp8_route(M, 1, None) == "gemv":
+        return "none"
+    return "token" if M > FP8.FP8_TRITON_MAX_M else FP8.fp8_small_m_act(M)
+
+
 def check(ms_list) -> int:
     from splitserve.layers.quant_kernels import wna16_layout as L
     fails = 0
@@ -240,7 +248,7 @@ def check(ms_list) -> int:
                 report(f"fp8_linear block {name} M={M} ", rel(FP8.fp8_linear(x, wqb, wsb, bias),
                                                              R.fp8_linear_ref(x, wqb, wsb, bias, act="group")))
                 report(f"fp8_linear {name} M={M} ", rel(FP8.fp8_linear(x, wq, ws, bias),
-                                                       R.fp8_linear_ref(x, wq, ws, bias, act="token" if M > FP8.FP8_TRITON_MAX_M else FP8.fp8_small_m_act(M))), tol=2e-2)
+                                                       R.fp8_linear_ref(x, wq, ws, bias, act=linear_act(M))), tol=2e-2)
                 if M >= 16:  # torch._scaled_mm, both accumulation modes (fp8_linear takes it above 64 tokens)
                     ref = R.fp8_linear_ref(x, wq, ws, bias, act="token")
                     for fast in (False, True):
@@ -285,7 +293,7 @@ def check(ms_list) -> int:
            "wna16_linear": lambda: WNA.wna16_linear(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP),
            "wna16_gemm": lambda: WNA.wna16_gemm(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP),
            "wna16_gemv": lambda: GEMV.wna16_gemv(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP)}
-    refs = {"fp8_linear": lambda: R.fp8_linear_ref(x, wq, ws, act=FP8.fp8_small_m_act(1)),
+    refs = {"fp8_linear": lambda: R.fp8_linear_ref(x, wq, ws, act=linear_act(1)),
             "wna16_linear": lambda: R.wna16_gemm_ref(x, i4.qweight, i4.scales, None, bits=4, group_size=GROUP)}
     refs["wna16_gemm"] = refs["wna16_gemv"] = refs["wna16_linear"]
     for what, fn in fns.items():

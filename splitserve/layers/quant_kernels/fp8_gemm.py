@@ -15,7 +15,8 @@ Activations reach the kernel in one of four modes (`A_MODE`):
 Decode is bound by reading the weights, so each program streams BLOCK_N weight rows along a K slice
 (split-K, finished in the same launch, see _split_k.py) and the MMA is padded to BLOCK_M >= 16 rows.
 
-fp8_linear() is the entry the linear layers call: the Triton kernel up to FP8_TRITON_MAX_M tokens
+fp8_linear() is the entry the linear layers call: the W8A16 GEMV of fp8_gemv.py up to FP8_GEMV_MAX_M
+tokens (per-tensor / per-channel weight scales, dynamic activations), the Triton kernel up to FP8_TRITON_MAX_M tokens
 (quantizing in the kernel up to FP8_GROUP_MAX_M), per-token quantization + torch._scaled_mm above,
 the torch reference off CUDA. References live in
 quant_kernels/reference.py.
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
+from splitserve.layers.quant_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -51,6 +53,19 @@ FP8_TRITON_MAX_M = 64
 # the library promotes the partial sums to fp32 every few K steps, which costs throughput. Serving
 # engines run FP8 GEMMs with fast accumulation on Hopper; measured in BENCHMARKS.md (fifteenth session).
 SCALED_MM_FAST_ACCUM = True
+# Up to this many tokens, with per-tensor / per-channel weight scales and no static input scale,
+# fp8_linear runs the W8A16 GEMV (fp8_gemv.py: x kept in bf16/fp16, no tensor cores, no padding).
+# On the H100 sweep (benchmarks/fp8_gemv.py) the 8B layers took 2.75 ms at one token against 3.44
+# for the tl.dot kernel below, 2.98 against 3.34 at two; it also avoids quantizing x.
+FP8_GEMV_MAX_M = 2
+
+
+def fp8_route(M: int, w_mode: int, input_scale: torch.Tensor | None) -> str:
+    """"gemv" where fp8_linear takes the W8A16 GEMV for M tokens (w_mode: _weight_scale_mode's
+    0 per tensor, 1 per channel, 2 blocks), else "gemm" (fp8_gemm / torch._scaled_mm)."""
+    if 1 <= M <= min(FP8_GEMV_MAX_M, GEMV_MAX_ROWS) and w_mode in (0, 1) and input_scale is None:
+        return "gemv"
+    return "gemm"
 
 
 def fp8_small_m_act(M: int) -> str:
@@ -362,6 +377,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
                triton_max_m: int | None = None) -> torch.Tensor:
     """y = x @ dequant(w).T + bias for bf16/fp16 x [..., K], w float8_e4m3fn [N, K] (see module doc).
 
+    Up to FP8_GEMV_MAX_M tokens (fp8_route) the W8A16 GEMV, x unquantized (unless small_m_act is given).
     Activations are quantized dynamically: up to FP8_GROUP_MAX_M tokens per token and 128-group
     inside the kernel, above that per token (small_m_act overrides the small-M choice: "group",
     "token" or "none" = W8A16). A static per-tensor `input_scale` (a checkpoint's) is used as given.
@@ -375,6 +391,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], w.shape[0]
     w_mode = _weight_scale_mode(w_scale, N, K) if w.dim() == 2 else -1
+    # K % 16: 16-byte aligned weight rows (every model layer; others would load byte by byte)
+    if small_m_act is None and K % 16 == 0 and fp8_route(M, w_mode, input_scale) == "gemv":
+        # W8A16: x is not quantized (more accurate than the W8A8 paths); off CUDA the same function
+        out = reference.fp8_gemv_ref(x2, w, w_scale, bias) if x.device.type != "cuda" else fp8_gemv(x2, w, w_scale, bias)
+        return out.reshape(*lead, N)
     max_m = FP8_TRITON_MAX_M if triton_max_m is None else triton_max_m
     if w_mode == 2:
         act = "group"

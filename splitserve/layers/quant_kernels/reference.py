@@ -86,6 +86,13 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias
     return fp8_gemm_ref(q, s, w, w_scale, bias, x.dtype)
 
 
+def fp8_gemv_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What fp8_gemv computes (W8A16): x [M, K] kept as is, w fp8 [N, K] times its per-tensor or
+    per-channel scale, fp32 matmul + bias, one rounding to x's dtype (= fp8_linear_ref act "none")."""
+    return fp8_linear_ref(x, w, w_scale, bias, act="none")
+
+
 def quantize_fp8_weight_ref(w: torch.Tensor, block: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense [N, K] -> (fp8 [N, K], fp32 scales): per output channel [N, 1], or per 128x128 block."""
     wf = w.to(torch.float32)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.quant_kernels.act_quant import silu_mul_fp8_linear
-from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear, scaled_mm_linear
+from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear, fp8_route, scaled_mm_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
                                                  opaque_linear_op, register_param, replace_param, same_method)
@@ -146,6 +146,13 @@ class Fp8LinearMethod(LinearMethod):
         getattr(layer, s.scale_name).data.copy_(scale.reshape(getattr(layer, s.scale_name).shape))
         if s.activations == "static":
             layer.input_scale.data.fill_(4.0 / ops.FP8_MAX)  # activations up to about 4
+
+    def cheaper_at_one_row(self, layer: nn.Module) -> bool:
+        # With FP8_GEMV_MAX_M >= 1, one token takes the W8A16 GEMV (fp8_gemv.py), whose FFMAs grow with
+        # each row; the tl.dot kernel pads x to 16 rows, so there one token costs what two do.
+        s = self.scheme
+        return (layer.fp8_scaled_mm and s.activations == "token" and s.weights in ("tensor", "channel")
+                and fp8_route(1, 1, None) == "gemv")
 
     # -- compute ----------------------------------------------------------------------------------
     def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
