@@ -25,7 +25,8 @@ CHATS = [
 ]
 NEW_TOKENS = 64
 MARGIN = 0.05
-PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+TOP = 5  # candidates recorded per position: the FP8 run's token at a divergence must be among them
+PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP)
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +78,13 @@ def test_greedy_parity_with_the_model_dtype_cache(runs, hf_e4m3):
         if d is None:
             report.append("equal")
             continue
-        (top1, lp1), (top2, lp2) = sorted(a.outputs[0].logprobs[d].items(), key=lambda kv: -kv[1])[:2]
-        # FP8 swaps the reference's two best candidates, never promotes a third.
-        assert tb[d] == top2, (d, a.outputs[0].logprobs[d], b.outputs[0].logprobs[d])
-        ref_margin = lp1 - lp2
-        fp8_sim_gap = _gap(hf_e4m3, prompt + ta[:d], top1, top2)
+        ref_lps = {t: lp.logprob for t, lp in a.outputs[0].logprobs[d].items()}
+        top1, chosen = ta[d], tb[d]
+        # FP8 picks one of the reference's few best candidates (the second, or a third as close to
+        # it: on "Write a haiku about the sea." the reference's 2nd and 3rd lie 0.014 apart).
+        assert chosen in ref_lps, (d, a.outputs[0].logprobs[d], b.outputs[0].logprobs[d])
+        ref_margin = ref_lps[top1] - ref_lps[chosen]
+        fp8_sim_gap = _gap(hf_e4m3, prompt + ta[:d], top1, chosen)
         report.append(f"diverge at {d}: reference margin {ref_margin:.3f}, e4m3 simulation gap {fp8_sim_gap:.3f}")
         assert ref_margin < MARGIN or fp8_sim_gap < MARGIN, report
     print(report)
