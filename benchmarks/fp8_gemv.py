@@ -111,28 +111,14 @@ def fake_sm90() -> int:
 # ---------------------------------------------------------------------------------------------
 
 def graph_ms(fn, iters: int = 10) -> float:
-    """fn once eagerly (compiles, allocates split-K counters), captured in a CUDA graph, median replay."""
-    if DEV == "cpu":  # --dry-run: the script's logic only
+    """fn once eagerly (compiles, allocates split-K counters), captured in a CUDA graph, median replay
+    (quant_kernels.graph_ms); --dry-run on CPU times one eager call, for the script's logic only."""
+    if DEV == "cpu":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(2):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    del g
-    return statistics.median(times)
+    from quant_kernels import graph_ms as cuda_graph_ms
+    return cuda_graph_ms(fn, iters)
 
 
 def rand_fp8(N, K, gen):

@@ -104,3 +104,15 @@ def split_k_epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, part_ptr, co
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, programs_per_sm: float = 4.0,
+                   min_k_tiles: int = 2) -> int:
+    """Smallest power-of-two split giving programs_per_sm programs per SM (several resident per SM
+    keep enough loads in flight), keeping >= min_k_tiles K tiles per split."""
+    tiles = triton.cdiv(N, block_n)
+    k_tiles = triton.cdiv(K, block_k)
+    split = 1
+    while tiles * split < programs_per_sm * num_sms and split * 2 <= max(1, k_tiles // min_k_tiles):
+        split *= 2
+    return split

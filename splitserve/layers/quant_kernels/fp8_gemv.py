@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue
+from splitserve.layers.quant_kernels._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
 
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 2  # rows of x one program holds (one accumulator set per row)
@@ -135,18 +135,6 @@ class Fp8GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False  # load the next K step's tile before this step's arithmetic
-
-
-def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, programs_per_sm: float = 4.0,
-                   min_k_tiles: int = 2) -> int:
-    """Smallest power-of-two split giving programs_per_sm programs per SM, keeping >= min_k_tiles
-    K steps per split."""
-    tiles = triton.cdiv(N, block_n)
-    k_tiles = triton.cdiv(K, block_k)
-    split = 1
-    while tiles * split < programs_per_sm * num_sms and split * 2 <= max(1, k_tiles // min_k_tiles):
-        split *= 2
-    return split
 
 
 def default_fp8_gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> Fp8GemvConfig:

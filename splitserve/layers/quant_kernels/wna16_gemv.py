@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue
+from splitserve.layers.quant_kernels._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
 from splitserve.layers.quant_kernels.wna16_layout import CANONICAL_ORDER, check_wna16_call, largest_pow2_divisor
 
 GEMV_MAX_ROWS = 8  # rows of x one program holds (registers: every FFMA chain is per row)
@@ -201,18 +201,6 @@ class WNA16GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False  # load the next K tile's words before this tile's arithmetic
-
-
-def gemv_split_for(N: int, K: int, block_n: int, block_k: int, num_sms: int, programs_per_sm: float = 4.0,
-                   min_k_tiles: int = 2) -> int:
-    """Smallest power-of-two split giving programs_per_sm programs per SM (several resident per SM
-    keep enough loads in flight), keeping >= min_k_tiles K tiles per split."""
-    tiles = triton.cdiv(N, block_n)
-    k_tiles = triton.cdiv(K, block_k)
-    split = 1
-    while tiles * split < programs_per_sm * num_sms and split * 2 <= max(1, k_tiles // min_k_tiles):
-        split *= 2
-    return split
 
 
 def _swept_int4_config(M: int, N: int, K: int, group_size: int) -> WNA16GemvConfig | None:
