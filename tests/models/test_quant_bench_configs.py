@@ -1,5 +1,5 @@
-"""The quantized benchmark configs (benchmarks/configs/llama3-8b-gptq-int4, llama3-8b-w8a8-int8): the
-Llama-3-8B shape with a checkpoint's `quantization_config`, loaded with random weights by
+"""The quantized benchmark configs (benchmarks/configs/llama3-8b-gptq-int4, llama3-8b-w8a8-int8,
+llama3-70b-fp8): the Llama-3 shapes with a checkpoint's `quantization_config`, loaded with random weights by
 benchmarks/gpu_suite.py --config. At full size on the meta device every linear layer must hold the
 format's storage (so the device figures measure the format named); a tiny copy of each config (same
 quantization_config, small shapes) serves greedy tokens on the CPU."""
@@ -22,6 +22,9 @@ FORMATS = {
     "llama3-8b-gptq-int4": (lambda n, k: n * k // 2, {"qweight", "scales"}, "gptq: W4A16 (group 128)"),
     "llama3-8b-w8a8-int8": (lambda n, k: n * k, {"weight", "weight_scale"},
                             "compressed-tensors: W8A8 INT8, per-channel weights, dynamic per-token activations"),
+    # FP8 storage from the start: online --quantization fp8 would hold the 70B's 140 GB of bf16 first
+    "llama3-70b-fp8": (lambda n, k: n * k, {"weight", "weight_scale"},
+                       "compressed-tensors: FP8 per-channel weights, dynamic per-token activations"),
 }
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
@@ -42,7 +45,7 @@ def test_full_size_layers_hold_the_quantized_storage(name):
         model = cls(config, quant)
     weight_bytes, names, _ = FORMATS[name]
     linears = [m for n, m in model.named_modules() if isinstance(m, Linear) and "lm_head" not in n]
-    assert len(linears) == 32 * 4  # qkv, o, gate_up, down per layer (merged projections)
+    assert len(linears) == config.num_hidden_layers * 4  # qkv, o, gate_up, down per layer (merged projections)
     for layer in linears:
         params = dict(layer.named_parameters(recurse=False))
         assert names <= set(params), (type(layer.method).__name__, sorted(params))
