@@ -261,7 +261,10 @@ def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     dequantization), on Hopper only; None where it cannot run. wna16_tiled.py's Triton twin (same
     numerics, runnable in the interpreter) measured slower than dequantize + cuBLAS on the H100
     sweep, so it is not a fallback here."""
-    from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+    try:
+        from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+    except ImportError:  # a Triton without the experimental Gluon API
+        return None
     if not wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
         return None
     return wna16_wgmma.wna16_wgmma_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias)
