@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -77,11 +76,11 @@ def vname(v) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def fake_sm90() -> int:
-    from quant_kernels_compile import install_fake_sm90_driver, resources
+    from quant_kernels_compile import compile_jobs, install_fake_sm90_driver
     compiled: list = []
     install_fake_sm90_driver(compiled)
     from splitserve.layers.quant_kernels import fp8_gemv as G
-    seen, failures = set(), 0
+    jobs = []
     for M in MS:
         for name, (K, N) in SHAPES.items():
             x = torch.empty(M, K, dtype=torch.bfloat16)
@@ -89,21 +88,9 @@ def fake_sm90() -> int:
             ws = torch.empty(N, dtype=torch.float32)
             for v in VARIANTS + [None]:
                 cfg = None if v is None else variant_config(v, N, K)
-                before = len(compiled)
-                try:
-                    G.fp8_gemv(x, w, ws, config=cfg)
-                except Exception as e:  # noqa: BLE001
-                    failures += 1
-                    log(f"FAIL {name} M={M} {cfg}: {type(e).__name__}: {str(e)[:400]}")
-                    continue
-                for k in compiled[before:]:
-                    if k is None or k.hash in seen:
-                        continue
-                    seen.add(k.hash)
-                    log(f"M={M} {name:8s} {vname(v) if v else 'default':16s} split={cfg.split_k if cfg else '-':<3} "
-                        f"{resources(k, None)}")
-    log(f"{len(seen)} variants compiled, {failures} failures")
-    return failures
+                what = f"M={M} {name} {vname(v) if v else 'default'} split={cfg.split_k if cfg else '-'}"
+                jobs.append((what, lambda x=x, w=w, ws=ws, cfg=cfg: G.fp8_gemv(x, w, ws, config=cfg)))
+    return compile_jobs(jobs, compiled, log)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +275,7 @@ def sweep(layers: int) -> dict:
 
 def summary(res: dict, layers: int) -> None:
     names = ["bf16 F.linear", "fp8_linear today", "gemv default"] + [vname(v) for v in VARIANTS]
-    log(f"\nper layer, us (TB/s of weights; bf16 counts 2 bytes per weight)")
+    log("\nper layer, us (TB/s of weights; bf16 counts 2 bytes per weight)")
     log(f"{'method':18s}" + "".join(f"{n + ' M=' + str(m):>22s}" for m in MS for n in SHAPES))
     for w in names:
         cells = []

@@ -439,21 +439,7 @@ def compile_only(ms_list, tiles_only=()) -> int:
             cfgs = [G.default_int8_config(M, N, K)] + (sweep_configs(M) + [WS_CONFIG] if M > 256 else [])
             jobs += [(f"{name} M={M} {c.describe()}", lambda q=q, s=s, w=w, ws=ws, c=c: G.int8_gemm(q, s, w, ws, config=c))
                      for c in cfgs]
-    seen, failures = set(), 0
-    for what, fn in jobs:
-        before = len(compiled)
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - every failure is reported
-            failures += 1
-            log(f"FAIL {what}: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        for k in compiled[before:]:
-            if k is not None and k.hash not in seen:
-                seen.add(k.hash)
-                log(f"{what:48s} warps={k.metadata.num_warps} smem={k.metadata.shared} {QC.resources(k, None)}")
-    log(f"{len(seen)} variants compiled, {failures} failures")
-    return failures
+    return QC.compile_jobs(jobs, compiled, log)
 
 
 def parse_ms(s: str) -> list[int]:

@@ -95,6 +95,29 @@ def resources(kernel, sass_dir: str | None) -> str:
     return line
 
 
+def compile_jobs(jobs, compiled: list, log=print, sass_dir: str | None = None) -> int:
+    """Runs each (what, launch) of `jobs` under the stand-in driver (install_fake_sm90_driver(compiled)
+    first) and prints every variant it compiled that no earlier job did: kernel, warps, stages, shared
+    memory, registers/spills and the main loop. Prints the count and returns the number of failed jobs."""
+    seen, failures = set(), 0
+    for what, fn in jobs:
+        before = len(compiled)
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            failures += 1
+            log(f"FAIL {what}: {type(e).__name__}: {str(e)[:600]}")
+            continue
+        for k in compiled[before:]:
+            if k is None or k.hash in seen:
+                continue
+            seen.add(k.hash)
+            log(f"{what:40s} {k.name:28s} warps={k.metadata.num_warps} stages={k.metadata.num_stages} "
+                f"smem={k.metadata.shared} {resources(k, sass_dir)}")
+    log(f"{len(seen)} variants compiled, {failures} failures")
+    return failures
+
+
 def launches(FP8, WNA, GEMV, M, name, K, N):
     """The launches of one shape and token count (closures over this call's tensors)."""
     x = torch.empty(M, K, dtype=torch.bfloat16)
@@ -145,23 +168,7 @@ def main() -> None:
     for M in (1, 4, 16, 64, 256, 2048):
         for name, (K, N) in shapes.items():
             jobs += launches(FP8, WNA, GEMV, M, name, K, N)
-    seen = set()
-    failures = 0
-    for what, fn in jobs:
-        before = len(compiled)
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            failures += 1
-            print(f"FAIL {what}: {type(e).__name__}: {str(e)[:600]}")
-            continue
-        for k in compiled[before:]:
-            if k is None or k.hash in seen:
-                continue
-            seen.add(k.hash)
-            print(f"{what:40s} {k.name:28s} warps={k.metadata.num_warps} stages={k.metadata.num_stages} "
-                  f"smem={k.metadata.shared} {resources(k, args.sass)}")
-    print(f"{len(seen)} variants compiled, {failures} failures")
+    failures = compile_jobs(jobs, compiled, sass_dir=args.sass)
     sys.exit(1 if failures else 0)
 
 

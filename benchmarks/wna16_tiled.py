@@ -278,7 +278,7 @@ def summarize(res, ms_list, layers, variants):
 
 def cpu_compile() -> int:
     """Compile every variant (and the check's default-tile cases) for sm_90a without a GPU."""
-    from quant_kernels_compile import install_fake_sm90_driver, resources
+    from quant_kernels_compile import compile_jobs, install_fake_sm90_driver
     compiled: list = []
     install_fake_sm90_driver(compiled)
     K, N = SHAPES["o"]
@@ -299,20 +299,7 @@ def cpu_compile() -> int:
     tq, ts, tz = torch.empty(64, 208, dtype=torch.int32), torch.empty(4, 208), torch.empty(4, 208, dtype=torch.uint8)
     tx, tb = torch.empty(77, 512, dtype=torch.bfloat16), torch.empty(208, dtype=torch.bfloat16)
     cases += [(f"{d} tail shape", lambda d=dcfg: tiled(tx, (tq, ts), d, tz, 4, tb)) for d, dcfg in DEFAULTS.items()]
-    fails = 0
-    for what, fn in cases:
-        t0 = time.time()
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            fails += 1
-            log(f"FAIL {what}: {type(e).__name__}: {str(e)[:600]}")
-            continue
-        k = compiled[-1]
-        log(f"{what:28s} warps={k.metadata.num_warps} smem={k.metadata.shared} "
-            f"{resources(k, None)} [{time.time() - t0:.0f} s]")
-    log(f"{len(cases) - fails} compiled, {fails} failures")
-    return fails
+    return compile_jobs(cases, compiled, log)
 
 
 def main() -> None:
