@@ -43,8 +43,8 @@ from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm, wna16_
 # wna16_gemm(config=...) until it is made faster.
 WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
-# From WNA16_DEQUANT_MIN_M up to WNA16_TILED_MAX_M tokens (no act-order), wna16_tiled.py's kernel
-# instead of the dequantize path: it dequantizes each weight tile in registers to the same bits and
+# From WNA16_DEQUANT_MIN_M up to WNA16_TILED_MAX_M tokens (no act-order, on Hopper), wna16_wgmma.py's
+# kernel instead of the dequantize path: it dequantizes each weight tile in registers to the same bits and
 # keeps the tensor-core accumulator free of per-tile corrections. The H100 sweep
 # (benchmarks/wna16_tiled.py --check --sweep, BENCHMARKS.md sixteenth session), 8B layers, ms per
 # step: 7.2 against 13.8 for dequantize + cuBLAS at 128 tokens, 11.1 against 14.7 at 256; at 512

@@ -6,6 +6,11 @@ registers, scale and zero point applied, and multiplied by the tensor cores as a
 Canonical packed layout (wna16_layout.py); act-order weights (perm) are not taken here (wna16_linear
 keeps them on the dequantize + cuBLAS path).
 
+What it is for now: the Triton twin of wna16_wgmma.py (same numerics), which the interpreter runs,
+so the CPU tests cover the arithmetic the Gluon kernel copies. On the H100 Triton kept this loop's
+MMAs synchronous as well, and it measured slower than dequantize + cuBLAS (BENCHMARKS.md, sixteenth
+session), so no route of wna16_linear runs it.
+
 Why a second tiled kernel: wna16_gemm.py's kernel multiplies the raw OFFSET + q values and corrects
 each K tile's product afterwards (acc += (part - rowsum(x) * (OFFSET + z)) * s). That touches the
 accumulator between two K tiles, so each tile's MMA must finish before the next is issued: at 256
@@ -167,7 +172,8 @@ def _wna16_tiled_kernel(
 
 
 def default_tiled_config(M: int, N: int, K: int, group_size: int) -> WNA16TiledConfig:
-    """Placeholder tiles until the H100 sweep (benchmarks/wna16_tiled.py) picks them."""
+    """Tiles for the interpreter tests and the sweep's default. Not tuned: on the H100 sweep
+    (benchmarks/wna16_tiled.py) no tile of this kernel beat dequantize + cuBLAS, so no route runs it."""
     block_k = 64 if group_size % 64 == 0 else group_size
     if M <= 64:
         return WNA16TiledConfig(64, 128, block_k, 4, 3, swap_ab=True)
