@@ -17,7 +17,7 @@ Three GEMM kernels, one contract:
   _int8_gemm_kernel            pointer loads (cp.async pipelining), optional split-K in one launch for
                                few tokens (_split_k.py), any M, N, K (masked tails);
   _int8_gemm_tma_kernel        TMA descriptor loads (Hopper), zero-filled tails, no split-K; needs K % 16 == 0;
-  _int8_gemm_async_mma_kernel  Gluon, Hopper only: TMA loads and wgmma kept asynchronous, one K tile of
+  int8_async_mma.py's kernel  Gluon, Hopper only: TMA loads and wgmma kept asynchronous, one K tile of
                                MMAs in flight (Triton's tl.dot waits for an int32 wgmma at every K step).
 Tile configurations come from a small table keyed by M buckets (default_int8_config); Int8Config(tma=True)
 selects the TMA kernel, Int8Config(tma=True, async_mma=True) the Gluon one. INT8_TILES names the
@@ -234,7 +234,7 @@ def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, kind: str) -> Int8
 #            defaults, and 128x128 tiles of 4 warps in 96 KiB, two CTAs an SM, so that one CTA's
 #            MMAs run while the other's drain
 #   tmaws_*  the same kernel with Triton's warp specialization (a TMA loader warp)
-#   async_*  the Gluon kernel (_int8_gemm_async_mma_kernel): one K tile of MMAs always queued;
+#   async_*  the Gluon kernel (int8_async_mma.py): one K tile of MMAs always queued;
 #            the w4s3 128x128 and the 64x128 tiles (96 KiB, <= 199 registers) also run two CTAs an SM
 INT8_TILES: dict[str, Int8Config] = {c.name: c for c in [
     _tile(128, 256, 128, 8, 3, "tma"),
