@@ -17,7 +17,7 @@ Three GEMM kernels, one contract:
   _int8_gemm_kernel            pointer loads (cp.async pipelining), optional split-K in one launch for
                                few tokens (_split_k.py), any M, N, K (masked tails);
   _int8_gemm_tma_kernel        TMA descriptor loads (Hopper), zero-filled tails, no split-K; needs K % 16 == 0;
-  int8_async_mma.py's kernel  Gluon, Hopper only: TMA loads and wgmma kept asynchronous, one K tile of
+  int8_async_mma.py's kernel   Gluon, Hopper only: TMA loads and wgmma kept asynchronous, one K tile of
                                MMAs in flight (Triton's tl.dot waits for an int32 wgmma at every K step).
 Tile configurations come from a small table keyed by M buckets (default_int8_config); Int8Config(tma=True)
 selects the TMA kernel, Int8Config(tma=True, async_mma=True) the Gluon one. INT8_TILES names the
