@@ -207,11 +207,12 @@ def test_table_async_tile_falls_back_without_tma(gen, monkeypatch):
 def test_async_mma_tiles_compile_for_sm90():
     # compiled for sm_90a by the stand-in driver in a fresh process (it replaces Triton's driver):
     # the Gluon kernel with and without bias, the raw int32 accumulator, a partial M tile
+    import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "int8_gemm.py"), "--compile-only",
                           "--tiles", "async_128x128x128_w4s3", "--tiles-m", "512"],
                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
