@@ -16,8 +16,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from splitserve.distributed import communication  # noqa: F401  (registers the ops)
-from splitserve.distributed.parallel_state import init_model_parallel
+from splitserve.parallel import communication  # noqa: F401  (registers the ops)
+from splitserve.parallel.parallel_state import init_model_parallel
 
 
 def free_port() -> int:

@@ -10,6 +10,6 @@ def __getattr__(name):
         from splitserve.engine.llm import LLM
         return LLM
     if name == "LoRARequest":
-        from splitserve.lora.request import LoRARequest
+        from splitserve.protocol.lora import LoRARequest
         return LoRARequest
     raise AttributeError(name)

@@ -23,7 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from splitserve.engine.async_engine import RequestStream
-from splitserve.engine.messages import SchedulerStats
+from splitserve.protocol.core_messages import SchedulerStats
 from splitserve.engine.output_processor import RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ requests with the same encoder input.
 from __future__ import annotations
 
 from splitserve.core.block_pool import BlockPool, KVBlock, hash_block
-from splitserve.request import Request
+from splitserve.core.request import Request
 
 
 class KVCacheManager:

@@ -15,7 +15,7 @@ import itertools
 from collections import deque
 
 from splitserve.config import SCHEDULING_POLICIES
-from splitserve.request import Request
+from splitserve.core.request import Request
 
 
 class PriorityRequestQueue:

@@ -10,7 +10,7 @@ and the victim is the running request of the largest priority value (the latest 
 may be one already given tokens in this step: it is taken out of the step again.
 
 The scheduler owns the `Request` objects; the worker gets a plain-data `SchedulerOutput` per step
-(core/sched_output.py) and keeps its own persistent batch. `update` resolves a step's results against
+(protocol/sched_output.py) and keeps its own persistent batch. `update` resolves a step's results against
 the requests that step ran (kept here by step id), never by id lookup alone: an id can be reused by a
 new request once the old one has finished.
 
@@ -37,8 +37,8 @@ import time
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request_queue import make_waiting_queue
-from splitserve.core.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
-from splitserve.request import Request, RequestStatus
+from splitserve.protocol.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
+from splitserve.core.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerOutput"]
 

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 import zmq
 
-from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreToFront, CoreReady, EngineCoreOutputs,
+from splitserve.protocol.core_messages import (AbortRequests, AddRequests, Codec, CoreToFront, CoreReady, EngineCoreOutputs,
                                         FrontToCore, SchedulerStats, Shutdown)
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.sampling_params import SamplingParams
@@ -172,7 +172,7 @@ class AsyncLLMEngine:
     def launch(cls, args, max_queued_requests: int | None = None, stream_interval: int = 1,
                ready_timeout: float | None = None) -> "AsyncLLMEngine":
         """Starts the engine core in a process of its own and builds the front here meanwhile."""
-        from splitserve.engine.core import resolve_model_spec
+        from splitserve.core.engine_core import resolve_model_spec
         from splitserve.engine.core_loop import core_process_main
         from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
         spec = resolve_model_spec(args)  # bad arguments fail here, before any process starts
@@ -406,7 +406,7 @@ class AsyncLLMEngine:
         if msg.dead is not None and self._dead is None:
             # The core gave up (steps keep failing): new requests get 503, /health turns 503, and the
             # server stays up to say so.
-            from splitserve.engine.core import EngineDeadError
+            from splitserve.core.engine_core import EngineDeadError
             self._dead = EngineDeadError(msg.dead)
             self._fail_all(self._dead)
 
@@ -414,7 +414,7 @@ class AsyncLLMEngine:
         if self._dead is not None:
             return
         logger.error("%s; failing %d request(s) in flight", why, len(self._streams))
-        from splitserve.engine.core import EngineDeadError
+        from splitserve.core.engine_core import EngineDeadError
         self._dead = EngineDeadError(why)
         self._fail_all(self._dead)
         if self.on_core_lost is not None:

@@ -19,7 +19,7 @@ import traceback
 
 import zmq
 
-from splitserve.engine.messages import (AbortRequests, AddRequests, Codec, CoreReady, EngineCoreOutput,
+from splitserve.protocol.core_messages import (AbortRequests, AddRequests, Codec, CoreReady, EngineCoreOutput,
                                         EngineCoreOutputs, FrontToCore, SchedulerStats, Shutdown)
 from splitserve.process_lifetime import die_with_parent, flush_and_exit
 
@@ -42,7 +42,7 @@ def connect_sockets(ctx: zmq.Context, input_addr: str, output_addr: str) -> tupl
 
 def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None = None) -> int:
     """Runs until Shutdown (returns 0) or until the core declares itself dead (returns 1)."""
-    from splitserve.engine.core import EngineDeadError  # the core module imports torch; keep this one light
+    from splitserve.core.engine_core import EngineDeadError  # the core module imports torch; keep this one light
 
     decoder = Codec(FrontToCore)
     encoder = Codec(EngineCoreOutputs)
@@ -135,7 +135,7 @@ def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, 
     inp, out = connect_sockets(ctx, input_addr, output_addr)
     ready = Codec(CoreReady)
     try:
-        from splitserve.engine.core import EngineCore
+        from splitserve.core.engine_core import EngineCore
         core = EngineCore(args)
     except BaseException as e:
         logger.exception("engine core start-up failed")

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from splitserve.engine.core import ModelSpec
-from splitserve.engine.messages import EngineCoreRequest
+from splitserve.core.engine_core import ModelSpec
+from splitserve.protocol.core_messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.models.resolve import load_serving_tokenizer
 from splitserve.sampling_params import SamplingParams
@@ -142,7 +142,7 @@ class EngineFront:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         self._validate_token_params(params, vocab)
         if params.prompt_logprobs is not None and self.world_size > 1:
-            # The rank workers (distributed/worker.py) do not compute them yet: refuse, never drop.
+            # The rank workers (executor/rank_worker.py) do not compute them yet: refuse, never drop.
             raise ValueError(f"prompt_logprobs is not supported yet with several ranks (world size {self.world_size})")
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "

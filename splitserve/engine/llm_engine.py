@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
-from splitserve.engine.core import MAX_FAILED_STEPS_IN_A_ROW, EngineCore, EngineDeadError, resolve_model_spec
+from splitserve.core.engine_core import MAX_FAILED_STEPS_IN_A_ROW, EngineCore, EngineDeadError, resolve_model_spec
 from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine_args import EngineArgs

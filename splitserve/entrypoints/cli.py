@@ -26,7 +26,7 @@ def sampling_params_from(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_namespace(args)
     if engine_args.node_rank > 0:  # another host of a multi-node model: its ranks only, no API
-        from splitserve.distributed.launcher import run_headless
+        from splitserve.executor.launcher import run_headless
         return run_headless(engine_args)
     from splitserve.entrypoints.openai.api_server import run_server
     return run_server(args)

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
-from splitserve.distributed.parallel_state import tp_group
+from splitserve.parallel.communication import tp_all_gather, tp_all_reduce
+from splitserve.parallel.parallel_state import tp_group
 from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.quantization.base import LinearMethod, ParamLayout, as_tensor, register_param
 

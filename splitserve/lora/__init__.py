@@ -6,6 +6,6 @@ checked against the base model; `manager.py` the engine core's host LRU, loader 
 custom op with its torch reference; `kernels.py` the Triton shrink/expand kernels; `worker.py` slot
 loads and each step's token -> slot layout.
 """
-from splitserve.lora.request import LoRARequest, LoRASlotLoad
+from splitserve.protocol.lora import LoRARequest, LoRASlotLoad
 
 __all__ = ["LoRARequest", "LoRASlotLoad"]

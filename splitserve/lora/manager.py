@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from splitserve.lora.adapter import LoRAAdapter, LoRATargets, load_adapter
-from splitserve.lora.request import LoRARequest, LoRASlotLoad
+from splitserve.protocol.lora import LoRARequest, LoRASlotLoad
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from splitserve.lora.adapter import LoRATargets, load_adapter
-from splitserve.lora.request import LoRARequest
+from splitserve.protocol.lora import LoRARequest
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.distributed.parallel_state import pp_group, tp_group
+from splitserve.parallel.parallel_state import pp_group, tp_group
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.rotary import apply_rotary_qk

@@ -20,8 +20,8 @@ from torch import nn
 
 from splitserve.attention.cross import CrossAttention
 from splitserve.attention.layer import Attention
-from splitserve.distributed.communication import Intermediate, tp_all_gather
-from splitserve.distributed.parallel_state import pp_group, stage_layers, tp_group
+from splitserve.parallel.communication import Intermediate, tp_all_gather
+from splitserve.parallel.parallel_state import pp_group, stage_layers, tp_group
 from splitserve.layers.activation import activation, gated_activation, silu_and_mul
 from splitserve.layers.cpu_gemm import linear
 from splitserve.layers.linear import Linear

@@ -27,7 +27,7 @@ class EncoderImagePromptProcessor:
     def process_image(self, img):
         """(content hash, the decoded image): the encoder input is cut in build_prompt, where the
         request's text is known."""
-        from splitserve.multimodal.inputs import image_hash
+        from splitserve.protocol.mm_inputs import image_hash
         return image_hash(img), img
 
     def load_and_process(self, sources: list, policy):
@@ -43,7 +43,7 @@ class EncoderImagePromptProcessor:
     def build_prompt(self, prompt, images):
         """A text prompt or token ids (ids equal to `placeholder_id` mark the image; the others are
         decoded as the text) and one processed image -> the decoder's start token with the image."""
-        from splitserve.multimodal.inputs import MultiModalPrompt
+        from splitserve.protocol.mm_inputs import MultiModalPrompt
         self.check_count(len(images), None)
         if not isinstance(prompt, str):
             prompt = self.tokenizer.decode([t for t in prompt if t != self.placeholder_id], skip_special_tokens=True)

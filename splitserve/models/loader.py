@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from splitserve.distributed.parallel_state import pp_group, tp_group
+from splitserve.parallel.parallel_state import pp_group, tp_group
 from splitserve.layers.linear import Linear, process_weights_after_loading
 from splitserve.layers.quantization.base import QuantConfig
 from splitserve.layers.rotary import RotaryEmbedding

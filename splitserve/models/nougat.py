@@ -204,7 +204,7 @@ class NougatPromptProcessor(EncoderImagePromptProcessor):
 
     def encoder_item(self, img, img_hash: str, text: str):
         """The page's pixels [1, 3, H, W]; the text is not an input of Nougat."""
-        from splitserve.multimodal.inputs import ImageItem
+        from splitserve.protocol.mm_inputs import ImageItem
         pixels = self.image_processor(images=[img.convert("RGB")], return_tensors="pt")["pixel_values"]
         n = self.model.num_encoder_tokens(*pixels.shape[-2:])
         return ImageItem(img_hash, pixels.contiguous(), (img.size[1], img.size[0]), n, 0)

@@ -249,7 +249,7 @@ class Pix2StructPromptProcessor(EncoderImagePromptProcessor):
         return out["flattened_patches"][0, :n].contiguous()
 
     def encoder_item(self, img, img_hash: str, text: str):
-        from splitserve.multimodal.inputs import ImageItem
+        from splitserve.protocol.mm_inputs import ImageItem
         header = text or None
         patches = self.flattened_patches(img, header)
         key = f"{img_hash}:{header if self.is_vqa else ''}"  # the header is part of the encoder's input

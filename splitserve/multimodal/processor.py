@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from splitserve.multimodal.inputs import ImageItem, MultiModalPrompt, ProcessedImage, image_hash
+from splitserve.protocol.mm_inputs import ImageItem, MultiModalPrompt, ProcessedImage, image_hash
 from splitserve.multimodal.media import MediaError, MediaPolicy, load_image
 from splitserve.multimodal.video import DecodedVideo, VideoRef, load_video
 

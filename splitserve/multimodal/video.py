@@ -153,7 +153,7 @@ def load_video(source, policy: MediaPolicy, num_frames: int) -> DecodedVideo:
         frames = _frames_from_arrays(source, num_frames)
     else:
         frames = _decode(_video_bytes(source, policy), num_frames, policy)
-    from splitserve.multimodal.inputs import image_hash
+    from splitserve.protocol.mm_inputs import image_hash
     h = hashlib.sha256(b"video:")
     for f in frames:
         h.update(image_hash(f).encode())

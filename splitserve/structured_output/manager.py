@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from splitserve.core.sched_output import GrammarBitmask
+from splitserve.protocol.sched_output import GrammarBitmask
 from splitserve.structured_output.grammar import build_grammar, error_reason
 
 logger = logging.getLogger(__name__)

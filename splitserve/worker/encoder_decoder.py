@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from splitserve.attention.cross_ref import CrossAttentionMetadata, encoder_slots
-from splitserve.core.sched_output import SchedulerOutput
+from splitserve.protocol.sched_output import SchedulerOutput
 
 
 class EncoderDecoderStep:

@@ -1,7 +1,7 @@
 """The worker's persistent batch: what it keeps about each request between steps.
 
 The scheduler sends a request's full data once (`NewRequestData`) and afterwards only deltas (see
-core/sched_output.py). The worker keeps, per request, a `CachedRequestState` (prompt, the tokens it
+protocol/sched_output.py). The worker keeps, per request, a `CachedRequestState` (prompt, the tokens it
 sampled itself, sampling parameters and its seeded generator, images) and, while the request is in
 the running batch, a row of numpy arrays: its token ids, block table, computed / known / total token
 counts and sampling parameters. Rows are reused through a free list and never moved; a step gathers
@@ -26,7 +26,7 @@ import numpy as np
 
 from splitserve.layers.sampling_metadata import BANNED
 
-from splitserve.core.sched_output import NewRequestData, SchedulerOutput
+from splitserve.protocol.sched_output import NewRequestData, SchedulerOutput
 
 
 class CachedRequestState:

@@ -1,7 +1,7 @@
 """Turns a scheduler decision into one forward pass: flat inputs, attention metadata, model, sampler.
 
 The runner decides no policy. It receives the scheduler's step message (plain data,
-core/sched_output.py), applies its deltas to its persistent batch (worker/input_batch.py) and lays
+protocol/sched_output.py), applies its deltas to its persistent batch (worker/input_batch.py) and lays
 out, for each scheduled request, its tokens from num_computed_tokens on and its block table as one
 ragged batch: numpy gathers over the batch's rows.
 """
@@ -18,7 +18,7 @@ from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
-from splitserve.core.sched_output import SchedulerOutput
+from splitserve.protocol.sched_output import SchedulerOutput
 from splitserve.layers.linear import cheaper_at_one_row
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs

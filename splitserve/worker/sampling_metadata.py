@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from splitserve.core.sched_output import GrammarBitmask
+from splitserve.protocol.sched_output import GrammarBitmask
 from splitserve.layers.sampling_metadata import BANNED, PenaltyRow, SamplingMetadata
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from splitserve.entrypoints.openai.protocol import APIError
-from splitserve.multimodal.inputs import MultiModalPrompt
+from splitserve.protocol.mm_inputs import MultiModalPrompt
 from splitserve.multimodal.media import MediaError, MediaPolicy, load_image, load_image_async
 from splitserve.multimodal.processor import (IMAGE_PART_TYPES, VIDEO_PART_TYPES, MultiModalProcessor,
                                              image_part_source, video_part_source)

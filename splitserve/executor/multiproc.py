@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from splitserve.distributed.worker import worker_main
-from splitserve.distributed.worker_messages import (CoreToWorker, RankBlocks, RankFailed, RankLost, RankReady, RanksLostError,
+from splitserve.executor.rank_worker import worker_main
+from splitserve.protocol.rank_messages import (CoreToWorker, RankBlocks, RankFailed, RankLost, RankReady, RanksLostError,
                                                     RunStep, StartKV, StepDone, Stop, UpdateStates, WorkerToCore)
-from splitserve.engine.messages import Codec
+from splitserve.protocol.core_messages import Codec
 from splitserve.worker.model_runner import StepResult
 
 logger = logging.getLogger(__name__)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.core.sched_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from splitserve.distributed.executor import Addresses, addresses, describe_exit, local_ranks
-from splitserve.distributed.worker_messages import CoreToWorker, RunStep, StepDone, WorkerToCore
-from splitserve.engine.messages import Codec
+from splitserve.protocol.sched_output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
+from splitserve.executor.multiproc import Addresses, addresses, describe_exit, local_ranks
+from splitserve.protocol.rank_messages import CoreToWorker, RunStep, StepDone, WorkerToCore
+from splitserve.protocol.core_messages import Codec
 from splitserve.engine_args import EngineArgs
 from splitserve.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """What crosses between the engine core and its worker processes (world size > 1): plain msgspec data.
 
 Core -> every rank (one encoding, broadcast on a ZeroMQ XPUB socket): `RunStep` (the scheduler's step
-message, core/sched_output.py, unchanged), `UpdateStates` (a message that runs nothing but removes
+message, protocol/sched_output.py, unchanged), `UpdateStates` (a message that runs nothing but removes
 requests), `StartKV` (the KV-cache size every rank allocates: the smallest any rank can hold), `Stop`.
 
 Ranks -> core (PUSH/PULL): each rank's `RankBlocks` and `RankReady` at start-up; per step only the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from splitserve.core.sched_output import SchedulerOutput
+from splitserve.protocol.sched_output import SchedulerOutput
 
 
 class RanksLostError(RuntimeError):

@@ -15,9 +15,9 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from splitserve.distributed.executor import addresses, check_devices, describe_exit, start_workers, stop_processes
-from splitserve.distributed.worker_messages import RankLost, WorkerToCore
-from splitserve.engine.messages import Codec
+from splitserve.executor.multiproc import addresses, check_devices, describe_exit, start_workers, stop_processes
+from splitserve.protocol.rank_messages import RankLost, WorkerToCore
+from splitserve.protocol.core_messages import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ _CORE_GONE_GRACE_S = 5.0
 
 
 def run_headless(args) -> int:
-    from splitserve.engine.core import resolve_model_spec
+    from splitserve.core.engine_core import resolve_model_spec
     if args.node_rank == 0:
         raise ValueError("node 0 runs the engine core and the API: start it with `splitserve serve`")
     spec = resolve_model_spec(args)  # bad arguments fail here, before any process starts

@@ -9,7 +9,7 @@ CUDA graphs capture. The ops name the group ("tp", "pp") rather than take it, si
 arguments must be tensors or plain values.
 
 Pipeline stages hand an `Intermediate` (hidden, residual) to the next stage; the transfer itself is
-distributed/pipeline.py's.
+parallel/pipeline.py's.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from splitserve.distributed.parallel_state import ParallelGroup, pp_group, tp_group
+from splitserve.parallel.parallel_state import ParallelGroup, pp_group, tp_group
 
 _GROUPS = {"tp": tp_group, "pp": pp_group}
 
@@ -73,6 +73,6 @@ def tp_all_gather(x: torch.Tensor) -> torch.Tensor:
 class Intermediate(NamedTuple):
     """What a pipeline stage that is not the last hands to the next: the decoder's stream after its
     last layer, [T, hidden] each (the residual is kept apart, as the next layer's norm adds it).
-    A plain (hidden, residual) pair to the transfer code (distributed/pipeline.py)."""
+    A plain (hidden, residual) pair to the transfer code (parallel/pipeline.py)."""
     hidden: torch.Tensor
     residual: torch.Tensor

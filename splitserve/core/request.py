@@ -1,5 +1,5 @@
 """Per-request state of the scheduler, the KV manager and the engine core. The worker never sees it:
-it gets plain data in the step message (core/sched_output.py) and keeps its own per-request state
+it gets plain data in the step message (protocol/sched_output.py) and keeps its own per-request state
 (worker/input_batch.py)."""
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ rank that dies, hangs or fails at start-up ends the engine with an error naming 
 Until the model side splits the layers, every rank holds the whole model (replicated): these tests check
 the processes, the broadcast of the step message, the sampling rank's answer, the sampled ids shared
 with every rank and the pipeline transfer (with a replicated model the last stage's output is exactly
-what it received from the stage before, see distributed/pipeline.py)."""
+what it received from the stage before, see parallel/pipeline.py)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 
-from splitserve.engine.core import EngineDeadError
-from splitserve.engine.fault_injection import RANK_ENV_VAR
+from splitserve.core.engine_core import EngineDeadError
+from splitserve.fault_injection import RANK_ENV_VAR
 from splitserve.engine.llm import LLM
 from splitserve.models.resolve import load_tokenizer
 from splitserve.sampling_params import SamplingParams

@@ -20,11 +20,11 @@ from splitserve.attention.layer import kv_free_window
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                resolve_kv_cache_dtype)
 from splitserve.core.kv_cache_manager import KVCacheManager
-from splitserve.core.sched_output import GrammarBitmask
+from splitserve.protocol.sched_output import GrammarBitmask
 from splitserve.core.scheduler import Scheduler
-from splitserve.distributed.worker_messages import RanksLostError
-from splitserve.engine.fault_injection import install_step_faults
-from splitserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from splitserve.protocol.rank_messages import RanksLostError
+from splitserve.fault_injection import install_step_faults
+from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
 from splitserve.models.generation_config import sampling_defaults
 from splitserve.layers.quantization.config import resolve_quant_config
@@ -32,7 +32,7 @@ from splitserve.models.families import decoder_spec
 from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
 from splitserve.models.registry import get_model_class
 from splitserve.models.resolve import ModelSource, load_serving_tokenizer, resolve_model
-from splitserve.request import Request, RequestStatus
+from splitserve.core.request import Request, RequestStatus
 from splitserve.startup.bytecode import start_bytecode_warmup
 from splitserve.startup.kernel_precompile import start_attention_precompile
 from splitserve.structured_output.manager import StructuredOutputManager
@@ -199,7 +199,7 @@ class EngineCore:
 
     def _init_ranks(self, args: EngineArgs, spec: ModelSpec) -> None:
         """World size > 1: one worker process per rank, stepped through the executor (distributed/)."""
-        from splitserve.distributed.executor import MultiprocExecutor
+        from splitserve.executor.multiproc import MultiprocExecutor
         if args.node_rank != 0:
             raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; on the other nodes "
                              f"`splitserve serve --node-rank {args.node_rank} ...` starts their ranks only")

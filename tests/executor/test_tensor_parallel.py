@@ -9,7 +9,7 @@ here by hand (not by the loader's own cutting code), and by counting what each r
 import pytest
 import torch
 
-from splitserve.distributed import parallel_state
+from splitserve.parallel import parallel_state
 from splitserve.models.resolve import ModelSource, default_model_source, load_tokenizer
 from tests.hf_reference import make_tiny_llama_dir
 from tests.tp_harness import assert_same_steps, build_runner, run_ranks, run_schedule
@@ -25,7 +25,7 @@ def _source(path) -> ModelSource:
 
 
 def _schedule_rank(rank: int, source: ModelSource, decode: bool):
-    from splitserve.distributed.parallel_state import pp_group
+    from splitserve.parallel.parallel_state import pp_group
     runner = build_runner(source)
     steps = run_schedule(runner, prompt_seed=7, decode=decode)
     layers, kv_heads = runner.kv_layout()
@@ -195,8 +195,8 @@ def test_sharded_loader_slice_by_slice_with_replicated_kv_head(tokenizer, tmp_pa
 
 # -- a vision-language model: the language model split, the vision tower replicated --------------------
 def _vlm_rank(rank: int, source: ModelSource, image_token: int):
-    from splitserve.core.sched_output import NewRequestData, SchedulerOutput
-    from splitserve.multimodal.inputs import ImageItem
+    from splitserve.protocol.sched_output import NewRequestData, SchedulerOutput
+    from splitserve.protocol.mm_inputs import ImageItem
     from splitserve.sampling_params import SamplingParams
     runner = build_runner(source)
     n = runner.model.tokens_per_tile
@@ -230,7 +230,7 @@ def test_tp2_llava_language_model_split_vision_tower_replicated(tmp_path):
 def test_one_rank_pays_nothing_for_the_collectives():
     """With a group of one the collectives return their input itself, and a compiled row-parallel
     layer's graph holds no collective at all."""
-    from splitserve.distributed.communication import tp_all_gather, tp_all_reduce
+    from splitserve.parallel.communication import tp_all_gather, tp_all_reduce
     from splitserve.layers.parallel_linear import RowParallelLinear
     x = torch.randn(3, 4)
     assert tp_all_reduce(x) is x and tp_all_gather(x) is x

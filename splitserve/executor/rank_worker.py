@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from splitserve.distributed.parallel_state import init_model_parallel, pp_group, tp_group
-from splitserve.distributed.pipeline import recv_intermediate, send_intermediate, stage_forward
-from splitserve.distributed.worker_messages import (CoreToWorker, RankBlocks, RankFailed, RankReady, RunStep, StartKV,
+from splitserve.parallel.parallel_state import init_model_parallel, pp_group, tp_group
+from splitserve.parallel.pipeline import recv_intermediate, send_intermediate, stage_forward
+from splitserve.protocol.rank_messages import (CoreToWorker, RankBlocks, RankFailed, RankReady, RunStep, StartKV,
                                                     StepDone, Stop, UpdateStates, WorkerToCore)
-from splitserve.engine.messages import Codec
+from splitserve.protocol.core_messages import Codec
 from splitserve.worker.model_runner import InFlightStep, ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class RankWorker:
 
     def __init__(self, args, spec, rank: int, local_rank: int, init_method: str,
                  fault: tuple[int, str] | None = None):
-        """`spec`: the engine core's ModelSpec (engine/core.py), resolved once from `args`."""
+        """`spec`: the engine core's ModelSpec (core/engine_core.py), resolved once from `args`."""
         from splitserve.models.loader import load_model
         self.rank, self.fault, self.args = rank, fault, args
         device = spec.config.device
@@ -214,7 +214,7 @@ class CoreWatch:
 def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_addr: str, result_addr: str,
                 parent_pid: int, log_level: int) -> None:
     """Entry point of a worker process (multiprocessing, spawn)."""
-    from splitserve.engine.fault_injection import rank_fault
+    from splitserve.fault_injection import rank_fault
     from splitserve.process_lifetime import die_with_parent, flush_and_exit
     die_with_parent()
     if os.getppid() != parent_pid:

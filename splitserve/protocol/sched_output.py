@@ -8,7 +8,7 @@ length, abort, error; preempted: blocks freed, to be recomputed), and preempted 
 again (`ResumedRequestData`). The worker keeps everything else in its persistent batch
 (worker/input_batch.py): token ids (prompt and the tokens it sampled itself), block tables, sampling
 state. Structs are msgspec's, so a message can be encoded once and broadcast to several worker
-processes (engine.messages.Codec handles the image tensors of multimodal items).
+processes (protocol.core_messages.Codec handles the image tensors of multimodal items).
 
 Images of waiting requests are announced once (`mm_prefetch`), before their admission, so the
 worker may encode them ahead; a request aborted while waiting after that is reported finished too.
@@ -32,8 +32,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from splitserve.lora.request import LoRASlotLoad
-from splitserve.multimodal.inputs import ImageItem
+from splitserve.protocol.lora import LoRASlotLoad
+from splitserve.protocol.mm_inputs import ImageItem
 from splitserve.sampling_params import SamplingParams
 
 

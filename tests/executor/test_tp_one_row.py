@@ -6,8 +6,8 @@ from tests.tp_harness import run_ranks
 
 
 def _rank_asks(rank: int, asking: tuple[int, ...]) -> bool:
-    from splitserve.distributed.parallel_state import tp_group
-    from splitserve.distributed.worker import StageRunner
+    from splitserve.parallel.parallel_state import tp_group
+    from splitserve.executor.rank_worker import StageRunner
     from splitserve.layers.linear import Linear
     from splitserve.layers.quantization.wna16 import WNA16LinearMethod, WNA16Scheme
     layer = Linear(128, 64, method=WNA16LinearMethod("gptq", WNA16Scheme("gptq", 4, 32)))

@@ -13,8 +13,8 @@ import msgspec
 import numpy as np
 import torch
 
-from splitserve.lora.request import LoRARequest
-from splitserve.multimodal.inputs import ImageItem
+from splitserve.protocol.lora import LoRARequest
+from splitserve.protocol.mm_inputs import ImageItem
 from splitserve.sampling_params import SamplingParams
 
 
