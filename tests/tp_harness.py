@@ -17,7 +17,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, fn, tp: int, pp: int, port: int, out_dir: str, args: tuple) -> None:
-    from splitserve.distributed.parallel_state import destroy_model_parallel, init_model_parallel
+    from splitserve.parallel.parallel_state import destroy_model_parallel, init_model_parallel
     torch.set_num_threads(1)  # a 2-core machine runs up to four ranks
     init_model_parallel(tp_size=tp, pp_size=pp, rank=rank, backend="gloo",
                         init_method=f"tcp://127.0.0.1:{port}", timeout_s=300)
@@ -60,9 +60,9 @@ def build_runner(source, quantization: str | None = None):
         model=ModelConfig(hf_config, arch, torch.float32, 64, hf_config.vocab_size, (), quant),
         cache=CacheConfig(block_size=16, num_blocks=4), scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
         compile=CompileConfig(enforce_eager=True), device="cpu", attention_backend="torch_ref")
-    from splitserve.distributed.parallel_state import pp_group, tp_group
+    from splitserve.parallel.parallel_state import pp_group, tp_group
     if pp_group().world_size > 1:  # the worker process's runner: stage transfers, one sampling rank
-        from splitserve.distributed.worker import StageRunner
+        from splitserve.executor.rank_worker import StageRunner
         runner = StageRunner(config, model, sampler_rank=(pp_group().world_size - 1) * tp_group().world_size)
     else:
         runner = ModelRunner(config, model)
@@ -72,7 +72,7 @@ def build_runner(source, quantization: str | None = None):
 
 def run_schedule(runner, prompt_seed: int, decode: bool) -> list[dict]:
     """Each step's sampled tokens and logprobs (top 5 and the sampled token's), by request."""
-    from splitserve.core.sched_output import NewRequestData, SchedulerOutput
+    from splitserve.protocol.sched_output import NewRequestData, SchedulerOutput
     from splitserve.sampling_params import SamplingParams
     gen = torch.Generator().manual_seed(prompt_seed)
     vocab = runner.config.model.vocab_size

@@ -9,7 +9,7 @@ import pytest
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
-from splitserve.request import Request, RequestStatus
+from splitserve.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 
 BS = 4

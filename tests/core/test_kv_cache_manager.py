@@ -1,5 +1,5 @@
 from splitserve.core.kv_cache_manager import KVCacheManager
-from splitserve.request import Request
+from splitserve.core.request import Request
 from splitserve.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
-from splitserve.request import Request, RequestStatus
+from splitserve.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -304,8 +304,8 @@ def test_removals_of_a_message_that_failed_to_launch_go_out_again():
 
 
 def test_step_message_survives_msgpack():
-    from splitserve.core.sched_output import SchedulerOutput
-    from splitserve.engine.messages import Codec
+    from splitserve.protocol.sched_output import SchedulerOutput
+    from splitserve.protocol.core_messages import Codec
     sched, kv = make(block_size=4)
     sched.add_request(req("a", 6, temperature=0.7, top_p=0.9, seed=5, stop_token_ids=[9]))
     out = sched.schedule()

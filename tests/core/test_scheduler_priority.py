@@ -5,7 +5,7 @@ from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request_queue import PriorityRequestQueue
 from splitserve.core.scheduler import Scheduler
-from splitserve.request import Request, RequestStatus
+from splitserve.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 
 from tests.core.test_scheduler import launch, plan, step

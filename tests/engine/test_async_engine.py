@@ -15,7 +15,7 @@ import pytest
 from splitserve.engine.async_engine import (AsyncLLMEngine, EngineOverloadedError, EngineRequestError,
                                             EngineShutdownError)
 from splitserve.engine.front import EngineFront
-from splitserve.engine.messages import EngineCoreOutput, SchedulerStats
+from splitserve.protocol.core_messages import EngineCoreOutput, SchedulerStats
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.sampling_params import SamplingParams
 

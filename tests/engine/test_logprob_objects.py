@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine.output_processor import OutputProcessor, RequestState
-from splitserve.engine.messages import EngineCoreOutput
+from splitserve.protocol.core_messages import EngineCoreOutput
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.logprobs import Logprob, ranked
 from splitserve.sampling_params import SamplingParams

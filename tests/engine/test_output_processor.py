@@ -3,7 +3,7 @@ found across tokens and held back while they may still match, n > 1 fan-in, the 
 aborts and a failing sample failing its siblings. Exact outputs."""
 import pytest
 
-from splitserve.engine.messages import EngineCoreOutput
+from splitserve.protocol.core_messages import EngineCoreOutput
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from splitserve.engine.fault_injection import parse_rank_fault
+from splitserve.fault_injection import parse_rank_fault
 from splitserve.engine_args import EngineArgs
 from splitserve.entrypoints import cli
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.async_engine import RequestStream
-from splitserve.engine.messages import SchedulerStats
+from splitserve.protocol.core_messages import SchedulerStats
 from splitserve.engine.output_processor import CompletionOutput, RequestOutput
 from splitserve.metrics import ServerMetrics, StatsLogger
 

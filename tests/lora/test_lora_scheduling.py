@@ -13,8 +13,8 @@ from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.scheduler import Scheduler
 from splitserve.lora.adapter import LoRATargets
 from splitserve.lora.manager import LoRAManager
-from splitserve.lora.request import LoRARequest
-from splitserve.request import Request, RequestStatus
+from splitserve.protocol.lora import LoRARequest
+from splitserve.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams
 
 TARGETS = LoRATargets(1, {"q": (8, 8), "k": (8, 4), "v": (8, 4), "o": (8, 8), "gate": (8, 16), "up": (8, 16),

@@ -6,7 +6,7 @@ import numpy as np
 
 from splitserve.lora.layers import LoRAModel, LoRAState
 from splitserve.lora.ops import TILE, LoRALayout
-from splitserve.lora.request import LoRASlotLoad
+from splitserve.protocol.lora import LoRASlotLoad
 from splitserve.lora.worker import LoRAWorker
 
 S, MAX_TOKENS = 4, 48

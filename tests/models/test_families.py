@@ -102,7 +102,7 @@ def test_checkpoint_names_for_quantization():
 
 
 def test_tied_embedding_families_and_moe_tensor_parallel_refusal(monkeypatch):
-    from splitserve.distributed import parallel_state
+    from splitserve.parallel import parallel_state
     model = DecoderForCausalLM(config("gemma2", head_dim=16))
     assert model.lm_head is None  # tied
     monkeypatch.setattr(parallel_state, "_TP", parallel_state.ParallelGroup(rank=0, world_size=2))

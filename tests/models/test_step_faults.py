@@ -6,7 +6,7 @@ import random
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.fault_injection import install_step_faults, parse_spec
+from splitserve.fault_injection import install_step_faults, parse_spec
 from splitserve.engine.llm_engine import MAX_FAILED_STEPS_IN_A_ROW, EngineDeadError
 from splitserve.models.resolve import load_tokenizer
 from tests.hf_reference import make_tiny_llama_dir

@@ -9,7 +9,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.multimodal.encoder_cache import EncoderCache
-from splitserve.request import RequestStatus
+from splitserve.core.request import RequestStatus
 from tests.multimodal_reference import make_tiny_llava_dir, mm_tokenizer, random_image
 
 NUM_REQUESTS = 48

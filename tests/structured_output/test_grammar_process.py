@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from splitserve.models.resolve import load_tokenizer
-from splitserve.request import Request, RequestStatus
+from splitserve.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.structured_output.manager import StructuredOutputManager
 from splitserve.structured_output.process_manager import GrammarProcessManager
@@ -205,7 +205,7 @@ def test_no_grammar_process_outlives_a_killed_core(tmp_path):
     script = textwrap.dedent("""
         import functools, sys, time
         from splitserve.models.resolve import load_tokenizer
-        from splitserve.request import Request
+        from splitserve.core.request import Request
         from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
         from splitserve.structured_output.process_manager import GrammarProcessManager
         m = GrammarProcessManager(49152, (2,), functools.partial(load_tokenizer, None), max_rows=4)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from splitserve.core.sched_output import SchedulerOutput
+from splitserve.protocol.sched_output import SchedulerOutput
 from splitserve.models.resolve import load_tokenizer
-from splitserve.request import Request
+from splitserve.core.request import Request
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.structured_output.manager import StructuredOutputManager
 
@@ -87,7 +87,7 @@ def test_rows_of_requests_that_ended_since_scheduling_allow_everything(tokenizer
     """With masks filled after the launch, a request scheduled in the step may have ended meanwhile
     (its grammar completed, or it was aborted): its row allows every id (the token is discarded);
     the others get their grammar's mask, in the batch fill and one by one alike."""
-    from splitserve.request import RequestStatus
+    from splitserve.core.request import RequestStatus
     vocab = len(tokenizer)
     manager = StructuredOutputManager(vocab, (2,), lambda: tokenizer)
     done, aborted, live = request("done", regex="[0-9]"), request("ab", regex="[0-9]"), request("live", regex="[0-9]")

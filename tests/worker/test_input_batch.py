@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from splitserve.core.sched_output import CachedRequestData, NewRequestData, ResumedRequestData, SchedulerOutput
+from splitserve.protocol.sched_output import CachedRequestData, NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.worker.input_batch import InputBatch
 from splitserve.worker.sampling_metadata import build_sampling_metadata
@@ -183,7 +183,7 @@ def test_sampling_metadata_logit_changes_are_flat_arrays():
 
 
 def test_sampling_metadata_places_grammar_masks_on_their_sampling_rows():
-    from splitserve.core.sched_output import GrammarBitmask
+    from splitserve.protocol.sched_output import GrammarBitmask
     ib = InputBatch(4, 32, 4)
     ib.update(msg(new_requests=[new(r, [1, 2, 3], [0], temperature=0) for r in "xyz"]))
     order = {"x": 2, "y": 3, "z": 3}  # x is mid-prefill: it does not sample

@@ -60,7 +60,7 @@ def test_float_and_fp8_layers_never_ask():
 
 
 def test_precompile_needs_no_size_one(monkeypatch):
-    # engine/core.py starts the attention precompile with the sizes of decode_graph_sizes(max_num_seqs),
+    # core/engine_core.py starts the attention precompile with the sizes of decode_graph_sizes(max_num_seqs),
     # before the model (and so its methods) exists. The decode kernel's variant is (splits > 1), and
     # a graph of 1 gets at least the splits of the graph of 2, at the same block-table stride.
     pytest.importorskip("triton")

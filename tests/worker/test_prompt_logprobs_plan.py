@@ -3,7 +3,7 @@ batch, exactly: chunks of a prompt, the last prompt position left to the sampler
 already, and the counter that keeps steps without such requests free of any of it."""
 import numpy as np
 
-from splitserve.core.sched_output import NewRequestData, SchedulerOutput
+from splitserve.protocol.sched_output import NewRequestData, SchedulerOutput
 from splitserve.sampling_params import SamplingParams
 from splitserve.worker.input_batch import InputBatch
 from splitserve.worker.prompt_logprobs import plan_prompt_logprobs
