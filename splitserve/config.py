@@ -1,4 +1,6 @@
-"""Small frozen configuration dataclasses. Validation raises ValueError naming the field."""
+"""The engine's one configuration: `EngineConfig`, frozen and sectioned, built once from `EngineArgs`
+(engine/args.py) and the only configuration that crosses into the engine core, the executor and the
+ranks. Nothing below engine/ reads the raw arguments. Validation raises ValueError naming the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,6 +77,9 @@ class CacheConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
+# Linear-layer quantization methods by vLLM's names (layers/quantization/ implements them).
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "awq")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -121,6 +126,51 @@ class CompileConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor x pipeline parallel ranks, and the hosts they span (torchrun's names)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+    distributed_timeout_s: float = 600.0  # bound on the ranks' start-up and on any collective
+    step_timeout_s: float = 300.0  # a step no rank answered within this counts as a hung rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """--enable-lora: slots, the largest rank, the host cache and the adapters named at start-up."""
+    max_loras: int
+    max_rank: int
+    max_cpu_loras: int | None
+    modules: tuple[tuple[str, str], ...]  # (name, path) of --lora-modules
+    allow_runtime: bool
+    allowed_dir: str | None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1 and self.max_rank >= 1,
+                 f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+
+STRUCTURED_OUTPUT_FILLS = ("process", "inline")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the weights and the tokenizer come from (loading.resolve.ModelSource each)."""
+    source: Any
+    tokenizer_source: Any = None  # None: the model's own
+    random_weights: bool = False
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -128,3 +178,31 @@ class EngineConfig:
     compile: CompileConfig
     device: str
     attention_backend: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    load: LoadConfig | None = None  # None only in tests that hand a built model to a runner
+    lora: LoRAConfig | None = None  # None: LoRA off
+    structured_outputs_fill: str = "process"  # one of STRUCTURED_OUTPUT_FILLS
+    seed: int | None = None
+    async_scheduling: bool | None = None  # None: on with CUDA
+    # Every name clients may send (the first is the one responses show), and the request defaults of
+    # the model's generation config (loading/generation_config.py).
+    served_model_names: tuple[str, ...] = ()
+    sampling_defaults: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.structured_outputs_fill in STRUCTURED_OUTPUT_FILLS,
+                 f"structured_outputs_fill must be one of {', '.join(STRUCTURED_OUTPUT_FILLS)}, "
+                 f"got {self.structured_outputs_fill!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def runs_async(self) -> bool:
+        """Whether the core launches step N+1 before collecting step N (the default on CUDA)."""
+        return self.device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling

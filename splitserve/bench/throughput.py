@@ -12,7 +12,7 @@ import time
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from splitserve.engine_args import EngineArgs
+    from splitserve.engine.args import EngineArgs
     EngineArgs.add_cli_args(p)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -28,7 +28,7 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def run(args: argparse.Namespace) -> int:
     from splitserve.engine.llm import LLM
-    from splitserve.engine_args import EngineArgs
+    from splitserve.engine.args import EngineArgs
     from splitserve.sampling_params import SamplingParams
     for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:

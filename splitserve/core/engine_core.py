@@ -11,33 +11,21 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import time
-from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.attention.layer import kv_free_window
-from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                               resolve_kv_cache_dtype)
+from splitserve.config import EngineConfig, resolve_kv_cache_dtype
+from splitserve.core.executor import Executor
 from splitserve.core.kv_cache_manager import KVCacheManager
-from splitserve.protocol.sched_output import GrammarBitmask
-from splitserve.core.scheduler import Scheduler
-from splitserve.protocol.rank_messages import RanksLostError
-from splitserve.fault_injection import install_step_faults
-from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from splitserve.engine_args import EngineArgs
-from splitserve.models.generation_config import sampling_defaults
-from splitserve.layers.quantization.config import resolve_quant_config
-from splitserve.models.families import decoder_spec
-from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
-from splitserve.models.registry import get_model_class
-from splitserve.models.resolve import ModelSource, load_serving_tokenizer, resolve_model
 from splitserve.core.request import Request, RequestStatus
-from splitserve.startup.bytecode import start_bytecode_warmup
-from splitserve.startup.kernel_precompile import start_attention_precompile
+from splitserve.core.scheduler import Scheduler
+from splitserve.fault_injection import install_step_faults
+from splitserve.models.resolve import load_serving_tokenizer
+from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from splitserve.protocol.rank_messages import RanksLostError
+from splitserve.protocol.sched_output import GrammarBitmask
 from splitserve.structured_output.manager import StructuredOutputManager
 from splitserve.structured_output.process_manager import GrammarProcessManager
-from splitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +40,6 @@ _FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus
                   "error": RequestStatus.FINISHED_ERROR}
 
 
-def seed_everything(seed: int) -> None:
-    """Seeds what unseeded sampling draws from (torch's generators, CUDA's included) and Python's and
-    numpy's, as vLLM's --seed does."""
-    import random
-
-    import numpy as np
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-
-
 class EngineDeadError(RuntimeError):
     """The engine cannot run steps any more; the server should report itself unhealthy.
     `process_lost`: a process of the engine (a worker rank) is gone or hung; the server exits, as when
@@ -71,65 +48,6 @@ class EngineDeadError(RuntimeError):
     def __init__(self, message: str, process_lost: bool = False):
         super().__init__(message)
         self.process_lost = process_lost
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What both sides of the engine resolve from its arguments without building the model."""
-    source: ModelSource
-    config: EngineConfig
-    model_name: str
-    # Every name clients may send (model_name is the first); where the tokenizer comes from; the
-    # sampling defaults of the model's generation config (models/generation_config.py).
-    served_model_names: tuple[str, ...] = ()
-    tokenizer_source: ModelSource | None = None
-    sampling_defaults: dict = field(default_factory=dict)
-    lora_config: object | None = None  # lora.registry.LoRAConfig with --enable-lora
-    world_size: int = 1  # ranks (tensor x pipeline parallel)
-
-
-def _check_device(device: str) -> None:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA GPU is visible to torch (torch {torch.__version__}"
-                         f"{', built without CUDA' if torch.version.cuda is None else ''}); use --device cpu")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ValueError(f"--device must be cuda, cuda:N or cpu, got {device!r}")
-
-
-def resolve_model_spec(args: EngineArgs) -> ModelSpec:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _check_device(device)
-    source = resolve_model(args.model)
-    tokenizer_source = resolve_model(args.tokenizer) if args.tokenizer else None
-    defaults = sampling_defaults(args.generation_config, source.directory, bool(source.gguf_file),
-                                 args.override_generation_config)
-    hf_config = load_hf_config(source)
-    if args.num_frames is not None:  # frames sampled per video (Video NeVA); the model reads it
-        if args.num_frames < 1:
-            raise ValueError(f"num_frames must be >= 1, got {args.num_frames}")
-        hf_config.num_frames = args.num_frames
-    dtype = resolve_dtype(args.dtype, hf_config, device)
-    quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
-    context = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if args.max_model_len is not None and args.max_model_len > context:
-        raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
-    max_model_len = args.max_model_len or context
-    eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
-    eos |= set(read_generation_eos(source))
-    arch, _ = get_model_class(hf_config.architectures, hf_config)
-    backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
-    config = EngineConfig(
-        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos)),
-                          quant_config),
-        cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
-                          args.cpu_kv_cache_gib, args.enable_prefix_caching, args.kv_cache_dtype),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy),
-        compile=CompileConfig(enforce_eager=args.enforce_eager),
-        device=device, attention_backend=backend)
-    names = tuple(args.served_model_name or (source.name,))
-    from splitserve.lora.registry import lora_config_from_args
-    return ModelSpec(source, config, names[0], names, tokenizer_source, defaults, lora_config_from_args(args),
-                     args.world_size)
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:
@@ -142,45 +60,42 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
                          "8.9 or newer (Ada, Hopper); use kv_cache_dtype auto")
 
 
-def _structured_manager(args: EngineArgs, spec: ModelSpec):
+def _structured_manager(config: EngineConfig):
     """The grammar state of constrained requests: in a grammar process of its own (the default), or in
     this process (`structured_outputs_fill="inline"`, and the fallback when the process cannot start).
     The tokenizer, for xgrammar's view of the vocabulary, is the front's, loaded the same way (by the
     grammar process itself, or here on the first constrained request)."""
-    loader = functools.partial(load_serving_tokenizer, spec.source, spec.tokenizer_source, args.random_weights)
-    m = spec.config.model
-    if args.structured_outputs_fill == "inline":
+    load = config.load
+    loader = functools.partial(load_serving_tokenizer, load.source, load.tokenizer_source, load.random_weights)
+    m = config.model
+    if config.structured_outputs_fill == "inline":
         return StructuredOutputManager(m.vocab_size, m.eos_token_ids, loader)
-    manager = GrammarProcessManager(m.vocab_size, m.eos_token_ids, loader, max_rows=args.max_num_seqs)
-    if spec.config.device.startswith("cuda"):  # on CPU the model's threads use every core: no head start there
+    manager = GrammarProcessManager(m.vocab_size, m.eos_token_ids, loader, max_rows=config.scheduler.max_num_seqs)
+    if config.device.startswith("cuda"):  # on CPU the model's threads use every core: no head start there
         manager.start()  # not waited for: its ~5 s start-up overlaps serving, not the first constrained request
     return manager
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, spec: ModelSpec | None = None):
-        spec = spec or resolve_model_spec(args)
-        config = spec.config
-        _check_kv_cache_dtype(config)  # here, not in resolve_model_spec: the front must not touch CUDA
+    def __init__(self, config: EngineConfig, executor: Executor):
+        """`executor` runs the model (executor/: in this process, or one worker process per rank) and
+        was built from the same config; the core owns it from here on (shutdown stops it)."""
+        _check_kv_cache_dtype(config)  # here, not in the config builder: the front must not touch CUDA
         self.config = config
         device, m = config.device, config.model
-        self.lora = None  # the LoRAManager with --enable-lora (lora/)
-        if args.world_size > 1:
-            self._init_ranks(args, spec)
-        else:
-            self._init_runner(args, spec)
-        install_step_faults(self.runner)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
-        # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
-        self.kv_manager = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching,
-                                         sliding_window=self._kv_free_window(m.hf_config))
+        self.executor = executor
+        self.lora = executor.lora  # the LoRAManager with --enable-lora (lora/)
+        install_step_faults(executor)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
+        self.kv_manager = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                         sliding_window=executor.kv_free_window)
         # Grammars compile and masks fill off the core's thread (a grammar process, started here in the
         # background with a GPU, else by the first constrained request; or threads here).
-        self.structured = _structured_manager(args, spec)
+        self.structured = _structured_manager(config)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
-        self.async_scheduling = device.startswith("cuda") if args.async_scheduling is None else args.async_scheduling
+        self.async_scheduling = config.runs_async
         # A runner in this process takes a step's grammar masks after its launch (ModelRunner.sample);
         # worker processes get them in the step message.
-        self._masks_after_launch = args.world_size == 1
+        self._masks_after_launch = config.world_size == 1
         self._inflight = None  # the launched step whose results are not processed yet
         self._failed_steps_in_a_row = 0
         self.num_received = 0
@@ -189,90 +104,29 @@ class EngineCore:
         # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
         # them out of the collector's view (what start-up left as garbage stays: a little memory).
         gc.freeze()
-        if args.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
-            seed_everything(args.seed)
-        placement = device if args.world_size == 1 else (
-            f"{args.world_size} ranks (tp {args.tensor_parallel_size} x pp {args.pipeline_parallel_size}) on {device}")
+        par = config.parallel
+        placement = device if par.world_size == 1 else (
+            f"{par.world_size} ranks (tp {par.tensor_parallel_size} x pp {par.pipeline_parallel_size}) on {device}")
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype)
         logger.info("engine core ready: %s on %s, %s, backend %s, KV cache %s, quantization %s", m.architecture,
-                    placement, m.dtype, config.attention_backend,
-                    str(self.runner.kv_cache_dtype).removeprefix("torch."), m.quantization or "none")
+                    placement, m.dtype, config.attention_backend, str(kv_dtype).removeprefix("torch."),
+                    m.quantization or "none")
 
-    def _init_ranks(self, args: EngineArgs, spec: ModelSpec) -> None:
-        """World size > 1: one worker process per rank, stepped through the executor (distributed/)."""
-        from splitserve.executor.multiproc import MultiprocExecutor
-        if args.node_rank != 0:
-            raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; on the other nodes "
-                             f"`splitserve serve --node-rank {args.node_rank} ...` starts their ranks only")
-        if args.enable_lora:
-            raise ValueError("--enable-lora with tensor or pipeline parallelism is not supported yet: "
-                             "serve adapters with --tensor-parallel-size 1 --pipeline-parallel-size 1")
-        config = spec.config
-        self.runner = MultiprocExecutor(args, spec, resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
-                                                                           config.model.dtype))
-        self.num_blocks = self.runner.num_blocks
-        self.model = None  # in the ranks
-
-    def _init_runner(self, args: EngineArgs, spec: ModelSpec) -> None:
-        """World size 1: the model and its runner in this process."""
-        config = spec.config
-        device, m = config.device, config.model
-        compiles = device.startswith("cuda") and not args.enforce_eager
-        # The compiler stack's Python sources and the attention kernels compile in forked children
-        # while the model is built; forked before any thread of ours starts.
-        bytecode = start_bytecode_warmup() if compiles else None
-        precompile = None
-        if compiles:  # None for a backend that compiles no kernels on first launch
-            precompile = start_attention_precompile(
-                m.hf_config, m.dtype, args.block_size, args.max_num_batched_tokens, m.max_model_len,
-                config.compile.decode_graph_sizes(args.max_num_seqs), config.attention_backend,
-                kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype))
-        try:
-            t0 = time.perf_counter()
-            _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config,
-                              m.max_model_len)
-            logger.info("model built in %.1f s", time.perf_counter() - t0)
-            self.lora, lora_worker = None, None  # LoRAManager / LoRAWorker with --enable-lora
-            if args.enable_lora:
-                from splitserve.lora.manager import build_lora
-                self.lora, lora_worker = build_lora(args, m.hf_config, m.dtype, model)
-            self.runner = ModelRunner(config, model, lora_worker)
-            self.num_blocks = self.runner.determine_num_blocks()
-            self.runner.allocate_kv_cache(self.num_blocks)
-            if bytecode is not None:
-                bytecode.wait(timeout=10.0)  # compiling the model imports what they compile
-            self.runner.setup_fast_path()
-        finally:
-            if precompile is not None:
-                precompile.finish()
-        self.model = model
-
-    def _kv_free_window(self, hf_config) -> int | None:
-        """The window after which the KV manager frees a request's blocks: read off the model's
-        Attention layers in this process; with ranks (the model is in their processes) from the
-        config, as the decoder reads its windows."""
-        if self.model is not None:
-            return kv_free_window(self.model)
-        try:
-            windows = decoder_spec(getattr(hf_config, "text_config", None) or hf_config).windows
-        except (AttributeError, ValueError):
-            return None
-        return None if not windows or None in windows else max(windows)
+    @property
+    def num_blocks(self) -> int:
+        return self.executor.num_blocks
 
     def check_ranks(self) -> None:
         """Raises EngineDeadError if a worker rank died or failed (the core loop asks while idle)."""
-        check = getattr(self.runner, "check_alive", None)
-        if check is not None:
-            try:
-                check()
-            except RanksLostError as exc:
-                raise EngineDeadError(str(exc), process_lost=True) from exc
+        try:
+            self.executor.check_alive()
+        except RanksLostError as exc:
+            raise EngineDeadError(str(exc), process_lost=True) from exc
 
     def shutdown(self) -> None:
-        """Stops the worker processes (world size > 1); nothing to do in one process."""
+        """Stops the grammar process and the executor (its worker processes, with world size > 1)."""
         self.structured.shutdown()
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -315,7 +169,7 @@ class EngineCore:
 
     def _update_states(self, sched) -> None:
         try:
-            self.runner.update_states(sched)
+            self.executor.update_states(sched)
         except RanksLostError as exc:
             raise EngineDeadError(str(exc), process_lost=True) from exc
 
@@ -370,7 +224,7 @@ class EngineCore:
                 sched.grammar = GrammarBitmask([r.request_id for r in constrained],
                                                self.structured.fill_bitmask(constrained))
             try:
-                launched = self.runner.launch(sched, inflight)
+                launched = self.executor.launch(sched, inflight)
             except RanksLostError as exc:
                 raise EngineDeadError(str(exc), process_lost=True) from exc
             except Exception as exc:
@@ -409,7 +263,7 @@ class EngineCore:
         if launched.awaiting_mask is None:
             return launched
         try:
-            self.runner.sample(launched, self.structured.take_fill())
+            self.executor.sample(launched, self.structured.take_fill())
         except Exception as exc:
             outputs += self._fail_step(launched.sched, exc)
             return None
@@ -420,7 +274,7 @@ class EngineCore:
         its sampler."""
         launched = self._inflight
         try:
-            self.runner.sample(launched, self.structured.fill_bitmask(constrained))
+            self.executor.sample(launched, self.structured.fill_bitmask(constrained))
         except Exception as exc:
             self._inflight = None
             return self._fail_step(launched.sched, exc)
@@ -463,7 +317,7 @@ class EngineCore:
         token (or that ended)."""
         sched = inflight.sched
         try:
-            result = self.runner.collect(inflight)
+            result = self.executor.collect(inflight)
         except RanksLostError as exc:
             raise EngineDeadError(str(exc), process_lost=True) from exc
         except Exception as exc:

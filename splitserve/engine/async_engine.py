@@ -172,20 +172,19 @@ class AsyncLLMEngine:
     def launch(cls, args, max_queued_requests: int | None = None, stream_interval: int = 1,
                ready_timeout: float | None = None) -> "AsyncLLMEngine":
         """Starts the engine core in a process of its own and builds the front here meanwhile."""
-        from splitserve.core.engine_core import resolve_model_spec
         from splitserve.engine.core_loop import core_process_main
         from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
-        spec = resolve_model_spec(args)  # bad arguments fail here, before any process starts
+        config = args.create_engine_config()  # bad arguments fail here, before any process starts
         placement = _CorePlacement()
         try:
             placement.process = multiprocessing.get_context("spawn").Process(
                 target=core_process_main, name="splitserve-engine-core",
-                args=(args, placement.input_addr, placement.output_addr, os.getpid(), logging.getLogger().level))
+                args=(config, placement.input_addr, placement.output_addr, os.getpid(), logging.getLogger().level))
             placement.process.start()
-            tokenizer = load_front_tokenizer(spec, args.random_weights)
-            mm_processor = build_front_mm_processor(spec, tokenizer)
+            tokenizer = load_front_tokenizer(config)
+            mm_processor = build_front_mm_processor(config, tokenizer)
             ready = cls._wait_ready(placement, ready_timeout)
-            front = EngineFront(spec, tokenizer, ready.num_blocks, ready.block_size, mm_processor, stream_interval)
+            front = EngineFront(config, tokenizer, ready.num_blocks, ready.block_size, mm_processor, stream_interval)
         except BaseException:
             if placement.process is not None and placement.process.is_alive():
                 placement.process.kill()

@@ -122,7 +122,7 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
 
 
 # -- the process placement ----------------------------------------------------------------------------
-def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
+def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
     """Entry point of the engine core process (multiprocessing, spawn)."""
     die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
@@ -135,8 +135,8 @@ def core_process_main(args, input_addr: str, output_addr: str, parent_pid: int, 
     inp, out = connect_sockets(ctx, input_addr, output_addr)
     ready = Codec(CoreReady)
     try:
-        from splitserve.core.engine_core import EngineCore
-        core = EngineCore(args)
+        from splitserve.executor import build_engine_core
+        core = build_engine_core(config)
     except BaseException as e:
         logger.exception("engine core start-up failed")
         out.send(ready.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")))

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from splitserve.core.engine_core import ModelSpec
+from splitserve.config import EngineConfig
 from splitserve.protocol.core_messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.models.resolve import load_serving_tokenizer
@@ -24,24 +24,24 @@ from splitserve.tokenize_parallel import encode_text
 logger = logging.getLogger(__name__)
 
 
-def load_front_tokenizer(spec: ModelSpec, random_weights: bool):
-    return load_serving_tokenizer(spec.source, spec.tokenizer_source, random_weights)
+def load_front_tokenizer(config: EngineConfig):
+    return load_serving_tokenizer(config.load.source, config.load.tokenizer_source, config.load.random_weights)
 
 
-def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
+def build_front_mm_processor(config: EngineConfig, tokenizer, model=None):
     """The image processor of a vision-language model (None for text-only). It needs the model's
     image token and feature counts, not its weights: without a model at hand a meta-device copy serves."""
     from splitserve.models.registry import get_model_class
     from splitserve.multimodal.processor import build_mm_processor
     if model is None:
-        _, cls = get_model_class(spec.config.model.hf_config.architectures, spec.config.model.hf_config)
+        _, cls = get_model_class(config.model.hf_config.architectures, config.model.hf_config)
         if not getattr(cls, "is_multimodal", False):
             return None
         with torch.device("meta"):
-            model = cls(spec.config.model.hf_config)
-    processor = build_mm_processor(model, spec.source, tokenizer)
+            model = cls(config.model.hf_config)
+    processor = build_mm_processor(model, config.load.source, tokenizer)
     if processor is not None:
-        processor.max_model_len = spec.config.model.max_model_len
+        processor.max_model_len = config.model.max_model_len
     return processor
 
 
@@ -50,29 +50,29 @@ class EngineFront:
     decoder_start_token_id = None
     encoder_prompt_has_images = False
 
-    def __init__(self, spec: ModelSpec, tokenizer, num_blocks: int, block_size: int, mm_processor=None,
+    def __init__(self, config: EngineConfig, tokenizer, num_blocks: int, block_size: int, mm_processor=None,
                  stream_interval: int = 1):
-        self.source = spec.source
-        self.model_name = spec.model_name
-        self.world_size = spec.world_size
-        self.served_model_names = spec.served_model_names or (spec.model_name,)
+        self.source = config.load.source
+        self.model_name = config.model_name
+        self.world_size = config.world_size
+        self.served_model_names = config.served_model_names
         # SamplingParams fields a request that leaves them unset takes (the generation config's).
-        self.sampling_defaults = dict(spec.sampling_defaults)
+        self.sampling_defaults = dict(config.sampling_defaults)
         if self.sampling_defaults:
             logger.info("requests default to the model's generation config: %s (--generation-config vllm "
                         "turns this off)", ", ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())))
         self.tokenizer = tokenizer
-        eos = set(spec.config.model.eos_token_ids)
+        eos = set(config.model.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.config = dataclasses.replace(
-            spec.config, model=dataclasses.replace(spec.config.model, eos_token_ids=tuple(sorted(eos))))
+            config, model=dataclasses.replace(config.model, eos_token_ids=tuple(sorted(eos))))
         self.mm_processor = mm_processor
         self.kv_capacity_tokens = num_blocks * block_size
         self.block_size = block_size
         # Encoder-decoder models (T5): the text prompt is the encoder's input, the decoder starts
         # from the model's decoder start token.
-        hf = spec.config.model.hf_config
+        hf = config.model.hf_config
         self.encoder_decoder = bool(getattr(hf, "is_encoder_decoder", False))
         self.decoder_start_token_id = getattr(hf, "decoder_start_token_id", None)
         if self.encoder_decoder and self.decoder_start_token_id is None:
@@ -86,7 +86,7 @@ class EngineFront:
         self._ids = itertools.count()
         from splitserve.lora.registry import LoRARegistry
         # LoRA adapters by name (--lora-modules, runtime loads) and the check of a request's adapter.
-        self.loras = LoRARegistry(spec.lora_config, spec.config.model.hf_config, self.model_name)
+        self.loras = LoRARegistry(config.lora, config.model.hf_config, self.model_name)
 
     @property
     def states(self) -> dict[str, RequestState]:

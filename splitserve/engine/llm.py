@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.output_processor import RequestOutput
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 from splitserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -23,7 +23,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         """`kwargs` are EngineArgs fields (the CLI's engine flags, with underscores); any other
         keyword is a TypeError that lists the valid ones."""
-        from splitserve.entrypoints.vllm_flags import find_unsupported_keywords
+        from splitserve.engine.vllm_flags import find_unsupported_keywords
         unsupported = find_unsupported_keywords(kwargs, EngineArgs.__dataclass_fields__)
         if unsupported:
             raise TypeError(f"LLM(): {', '.join(unsupported)} {'is a vLLM option' if len(unsupported) == 1 else 'are vLLM options'} "

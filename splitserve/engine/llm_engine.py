@@ -8,10 +8,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
-from splitserve.core.engine_core import MAX_FAILED_STEPS_IN_A_ROW, EngineCore, EngineDeadError, resolve_model_spec
+from splitserve.core.engine_core import MAX_FAILED_STEPS_IN_A_ROW, EngineDeadError
 from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
 from splitserve.engine.output_processor import RequestOutput
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
+from splitserve.executor import build_engine_core
 from splitserve.models.text_config import TextConfig
 from splitserve.sampling_params import SamplingParams
 
@@ -25,21 +26,21 @@ class LLMEngine:
         args = args or EngineArgs.from_kwargs("LLMEngine()", **kwargs)
         self.args = args
         t0 = time.perf_counter()
-        spec = resolve_model_spec(args)
+        config = args.create_engine_config()
         logger.info("config loaded in %.1f s", time.perf_counter() - t0)
         # Requests need the tokenizer, building the model does not. For a config read natively nothing
         # below imports transformers, so the tokenizer (transformers' import is seconds of it) loads on
         # a thread meanwhile; importing transformers from two threads at once is not safe, so other
         # models load it first.
-        if isinstance(spec.config.model.hf_config, TextConfig):
+        if isinstance(config.model.hf_config, TextConfig):
             pool = ThreadPoolExecutor(1, thread_name_prefix="splitserve-tokenizer")
-            tokenizer_future = pool.submit(load_front_tokenizer, spec, args.random_weights)
+            tokenizer_future = pool.submit(load_front_tokenizer, config)
             pool.shutdown(wait=False)
         else:
             tokenizer_future = Future()
-            tokenizer_future.set_result(load_front_tokenizer(spec, args.random_weights))
+            tokenizer_future.set_result(load_front_tokenizer(config))
         try:
-            self.core = EngineCore(args, spec)
+            self.core = build_engine_core(config)
         except BaseException:
             futures_wait([tokenizer_future])  # a caller that imports transformers next must not race it
             raise
@@ -47,8 +48,9 @@ class LLMEngine:
         tokenizer = tokenizer_future.result()  # re-raises the thread's error, if any
         logger.info("waited %.1f s for the tokenizer", time.perf_counter() - t0)
         self.core.structured.set_tokenizer(tokenizer)  # the core in this process need not load its own
-        self.front = EngineFront(spec, tokenizer, self.core.num_blocks, args.block_size,
-                                 build_front_mm_processor(spec, tokenizer, self.core.model), stream_interval)
+        self.front = EngineFront(config, tokenizer, self.core.num_blocks, config.cache.block_size,
+                                 build_front_mm_processor(config, tokenizer, self.core.executor.model),
+                                 stream_interval)
         logger.info("engine ready: %s", self.model_name)
 
     # -- what the front knows --------------------------------------------------------------------
@@ -99,7 +101,8 @@ class LLMEngine:
 
     @property
     def runner(self):
-        return self.core.runner
+        """The ModelRunner (world size 1; with ranks it is in their processes)."""
+        return self.core.executor.runner
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt, params: SamplingParams | None = None):

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_namespace(args)
     if engine_args.node_rank > 0:  # another host of a multi-node model: its ranks only, no API
         from splitserve.executor.launcher import run_headless
-        return run_headless(engine_args)
+        return run_headless(engine_args.create_engine_config())  # bad arguments fail here, before any process starts
     from splitserve.entrypoints.openai.api_server import run_server
     return run_server(args)
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    from splitserve.entrypoints.vllm_flags import find_unsupported, leaf_parser, message
+    from splitserve.engine.vllm_flags import find_unsupported, leaf_parser, message
     unsupported = find_unsupported(parser, argv)
     if unsupported is not None:  # one line, not argparse's usage dump
         print(f"{leaf_parser(parser, argv).prog}: error: {message(unsupported)}", file=sys.stderr)

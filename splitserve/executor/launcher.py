@@ -17,6 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.executor.multiproc import addresses, check_devices, describe_exit, start_workers, stop_processes
 from splitserve.protocol.rank_messages import RankLost, WorkerToCore
+from splitserve.config import EngineConfig
 from splitserve.protocol.core_messages import Codec
 
 logger = logging.getLogger(__name__)
@@ -25,13 +26,13 @@ logger = logging.getLogger(__name__)
 _CORE_GONE_GRACE_S = 5.0
 
 
-def run_headless(args) -> int:
-    from splitserve.core.engine_core import resolve_model_spec
-    if args.node_rank == 0:
+def run_headless(config: EngineConfig) -> int:
+    """A node of rank > 0: its ranks only, until node 0's engine core goes away."""
+    par = config.parallel
+    if par.node_rank == 0:
         raise ValueError("node 0 runs the engine core and the API: start it with `splitserve serve`")
-    spec = resolve_model_spec(args)  # bad arguments fail here, before any process starts
-    check_devices(args, spec.config.device)
-    addrs = addresses(args, None)
+    check_devices(par, config.device)
+    addrs = addresses(par, None)
     stopping = False
 
     def on_signal(signum, _frame):
@@ -46,9 +47,9 @@ def run_headless(args) -> int:
     monitor = push.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     push.connect(addrs.result)
     encode = Codec(WorkerToCore).encode
-    procs = start_workers(args, spec, addrs)
-    logger.info("node %d of %d: ranks %s started; engine core at %s", args.node_rank, args.nnodes, sorted(procs),
-                args.master_addr)
+    procs = start_workers(config, addrs)
+    logger.info("node %d of %d: ranks %s started; engine core at %s", par.node_rank, par.nnodes, sorted(procs),
+                par.master_addr)
     connected, code, core_gone_at = False, 0, None
     try:
         while not stopping:
@@ -65,7 +66,7 @@ def run_headless(args) -> int:
             failed = {rank: c for rank, c in exited.items() if c != 0}
             if failed:
                 rank, c = next(iter(failed.items()))
-                why = f"{describe_exit(rank, c)} on node {args.node_rank}"
+                why = f"{describe_exit(rank, c)} on node {par.node_rank}"
                 logger.error("%s; telling the engine core and stopping this node's ranks", why)
                 push.send(encode(RankLost(rank, why)))
                 return (code := 1)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from splitserve.config import EngineConfig, ParallelConfig
 from splitserve.executor.rank_worker import worker_main
 from splitserve.protocol.rank_messages import (CoreToWorker, RankBlocks, RankFailed, RankLost, RankReady, RanksLostError,
                                                     RunStep, StartKV, StepDone, Stop, UpdateStates, WorkerToCore)
@@ -56,14 +57,14 @@ class Addresses:
     result_bind: str
 
 
-def addresses(args, ipc_dir: str | None) -> Addresses:
+def addresses(par: ParallelConfig, ipc_dir: str | None) -> Addresses:
     """One host: ipc:// files in ipc_dir and a free port for torch (unless --master-port). Several:
     tcp:// on master_addr, master_port (+1, +2)."""
-    if args.nnodes == 1:
-        port = args.master_port or free_port(args.master_addr)
+    if par.nnodes == 1:
+        port = par.master_port or free_port(par.master_addr)
         step, result = f"ipc://{ipc_dir}/steps", f"ipc://{ipc_dir}/results"
-        return Addresses(f"tcp://{args.master_addr}:{port}", step, result, step, result)
-    host, port = args.master_addr, args.master_port
+        return Addresses(f"tcp://{par.master_addr}:{port}", step, result, step, result)
+    host, port = par.master_addr, par.master_port
     try:
         bind_host = socket.gethostbyname(host)
     except OSError:
@@ -72,27 +73,27 @@ def addresses(args, ipc_dir: str | None) -> Addresses:
                      f"tcp://{bind_host}:{port + 1}", f"tcp://{bind_host}:{port + 2}")
 
 
-def local_ranks(args) -> list[int]:
-    per_node = args.world_size // args.nnodes
-    return list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
+def local_ranks(par: ParallelConfig) -> list[int]:
+    per_node = par.world_size // par.nnodes
+    return list(range(par.node_rank * per_node, (par.node_rank + 1) * per_node))
 
 
-def check_devices(args, device: str) -> None:
+def check_devices(par: ParallelConfig, device: str) -> None:
     if device.startswith("cuda"):
         import torch
-        need, have = args.world_size // args.nnodes, torch.cuda.device_count()
+        need, have = par.world_size // par.nnodes, torch.cuda.device_count()
         if have < need:
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size / nnodes = {need} ranks on this host "
                              f"need {need} GPUs; {have} visible")
 
 
-def start_workers(args, spec, addrs: Addresses) -> dict[int, multiprocessing.Process]:
+def start_workers(config: EngineConfig, addrs: Addresses) -> dict[int, multiprocessing.Process]:
     spawn = multiprocessing.get_context("spawn")
     procs = {}
     level = logging.getLogger().level
-    for local_rank, rank in enumerate(local_ranks(args)):
+    for local_rank, rank in enumerate(local_ranks(config.parallel)):
         p = spawn.Process(target=worker_main, name=f"splitserve-rank-{rank}",
-                          args=(args, spec, rank, local_rank, addrs.init_method, addrs.step, addrs.result, os.getpid(), level))
+                          args=(config, rank, local_rank, addrs.init_method, addrs.step, addrs.result, os.getpid(), level))
         p.start()
         procs[rank] = p
     return procs
@@ -134,15 +135,34 @@ class _RemoteStep:
         self.needs_sync = sched.grammar is not None
 
 
+def _kv_free_window(hf_config) -> int | None:
+    """The window after which a request's blocks can go, from the config as the decoder reads its
+    windows (the model itself is in the ranks' processes)."""
+    from splitserve.models.families import decoder_spec
+    try:
+        windows = decoder_spec(getattr(hf_config, "text_config", None) or hf_config).windows
+    except (AttributeError, ValueError):
+        return None
+    return None if not windows or None in windows else max(windows)
+
+
 class MultiprocExecutor:
-    def __init__(self, args, spec, kv_cache_dtype):
-        check_devices(args, spec.config.device)
-        self.args = args
-        self.world = args.world_size
-        self.kv_cache_dtype = kv_cache_dtype
-        self.step_timeout_s = args.step_timeout_s
+    def __init__(self, config: EngineConfig):
+        par = self.par = config.parallel
+        if par.node_rank != 0:
+            raise ValueError(f"node_rank {par.node_rank}: the engine runs on node 0; on the other nodes "
+                             f"`splitserve serve --node-rank {par.node_rank} ...` starts their ranks only")
+        if config.lora is not None:
+            raise ValueError("--enable-lora with tensor or pipeline parallelism is not supported yet: "
+                             "serve adapters with --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        check_devices(par, config.device)
+        self.lora = None
+        self.model = self.runner = None  # in the ranks' processes
+        self.kv_free_window = _kv_free_window(config.model.hf_config)
+        self.world = par.world_size
+        self.step_timeout_s = par.step_timeout_s
         self._ipc_dir = tempfile.mkdtemp(prefix="splitserve-ranks-")
-        self.addrs = addresses(args, self._ipc_dir)
+        self.addrs = addresses(par, self._ipc_dir)
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)
@@ -165,13 +185,13 @@ class MultiprocExecutor:
         self._dead: str | None = None
         self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.ctx, self._ipc_dir)
         try:
-            self.procs.update(start_workers(args, spec, self.addrs))
-            deadline = time.monotonic() + args.distributed_timeout_s
+            self.procs.update(start_workers(config, self.addrs))
+            deadline = time.monotonic() + par.distributed_timeout_s
             self._wait_subscribers(deadline)
             blocks = self._gather(RankBlocks, deadline, "start-up")
             self.num_blocks = min(m.num_blocks for m in blocks)
             logger.info("%d ranks up (tp %d x pp %d over %d node(s)); KV blocks per rank: %s, using %d", self.world,
-                        args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes,
+                        par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes,
                         sorted(m.num_blocks for m in blocks), self.num_blocks)
             self.pub.send(self._encode(StartKV(self.num_blocks)))
             self._gather(RankReady, deadline, "start-up")
@@ -202,7 +222,7 @@ class MultiprocExecutor:
             self._poll_failures("start-up")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {joined} of {self.world} ranks connected within "
-                                   f"{self.args.distributed_timeout_s} s (are the other nodes started?)")
+                                   f"{self.par.distributed_timeout_s} s (are the other nodes started?)")
 
     def _poll_failures(self, phase: str) -> None:
         while self.pull.poll(0):
@@ -229,7 +249,7 @@ class MultiprocExecutor:
             self._check_procs(phase)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world)) - set(got))
-                raise RuntimeError(f"ranks {missing} did not finish {phase} within {self.args.distributed_timeout_s} s")
+                raise RuntimeError(f"ranks {missing} did not finish {phase} within {self.par.distributed_timeout_s} s")
         return list(got.values())
 
     # -- the runner's interface ------------------------------------------------------------------

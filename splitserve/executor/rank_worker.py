@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from splitserve.config import EngineConfig
+from splitserve.executor.seeding import seed_everything
 from splitserve.parallel.parallel_state import init_model_parallel, pp_group, tp_group
 from splitserve.parallel.pipeline import recv_intermediate, send_intermediate, stage_forward
 from splitserve.protocol.rank_messages import (CoreToWorker, RankBlocks, RankFailed, RankReady, RunStep, StartKV,
@@ -113,12 +115,12 @@ class StageRunner(ModelRunner):
 class RankWorker:
     """Everything one rank holds: its groups, its part of the model, its runner and KV cache."""
 
-    def __init__(self, args, spec, rank: int, local_rank: int, init_method: str,
+    def __init__(self, config: EngineConfig, rank: int, local_rank: int, init_method: str,
                  fault: tuple[int, str] | None = None):
-        """`spec`: the engine core's ModelSpec (core/engine_core.py), resolved once from `args`."""
         from splitserve.models.loader import load_model
-        self.rank, self.fault, self.args = rank, fault, args
-        device = spec.config.device
+        self.rank, self.fault, self.seed = rank, fault, config.seed
+        par = config.parallel
+        device = config.device
         if device.startswith("cuda"):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
@@ -126,18 +128,18 @@ class RankWorker:
         else:
             backend = "gloo"
             # The host's cores are shared by the ranks on it.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.world_size // args.nnodes)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (par.world_size // par.nnodes)))
         self.device = device
-        config = dataclasses.replace(spec.config, device=device)
-        init_model_parallel(tp_size=args.tensor_parallel_size, pp_size=args.pipeline_parallel_size, rank=rank,
-                            backend=backend, init_method=init_method, timeout_s=args.distributed_timeout_s)
+        config = dataclasses.replace(config, device=device)
+        init_model_parallel(tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size, rank=rank,
+                            backend=backend, init_method=init_method, timeout_s=par.distributed_timeout_s)
         if fault is not None and fault[1] == "startup_oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected on rank {rank})")
         m = config.model
-        _, model = load_model(spec.source, m.hf_config, m.dtype, device, args.random_weights, m.quant_config,
+        _, model = load_model(config.load.source, m.hf_config, m.dtype, device, config.load.random_weights, m.quant_config,
                               m.max_model_len)
         # The last stage's tensor-parallel rank 0 samples.
-        sampler_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
+        sampler_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
         self.runner = StageRunner(config, model, sampler_rank)
         self.num_blocks = self.runner.determine_num_blocks()
 
@@ -145,13 +147,8 @@ class RankWorker:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_fast_path()
         gc.freeze()
-        if self.args.seed is not None:  # as EngineCore's seed_everything (unseeded draws repeat)
-            import random
-
-            import numpy as np
-            random.seed(self.args.seed)
-            np.random.seed(self.args.seed % 2 ** 32)
-            torch.manual_seed(self.args.seed)
+        if self.seed is not None:  # as the in-process runner (unseeded draws repeat)
+            seed_everything(self.seed)
 
     def run(self, sched) -> StepResult:
         step = self.runner.launch(sched)
@@ -211,7 +208,7 @@ class CoreWatch:
         return os.getppid() != self.parent_pid
 
 
-def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_addr: str, result_addr: str,
+def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: str, step_addr: str, result_addr: str,
                 parent_pid: int, log_level: int) -> None:
     """Entry point of a worker process (multiprocessing, spawn)."""
     from splitserve.fault_injection import rank_fault
@@ -227,9 +224,9 @@ def worker_main(args, spec, rank: int, local_rank: int, init_method: str, step_a
     watch = CoreWatch(monitor, parent_pid)
     encode = Codec(WorkerToCore).encode
     decoder = Codec(CoreToWorker)
-    device = f"cuda:{local_rank}" if spec.config.device.startswith("cuda") else spec.config.device
+    device = f"cuda:{local_rank}" if config.device.startswith("cuda") else config.device
     try:
-        worker = RankWorker(args, spec, rank, local_rank, init_method, rank_fault(rank))
+        worker = RankWorker(config, rank, local_rank, init_method, rank_fault(rank))
     except BaseException as e:
         logger.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
         push.send(encode(RankFailed(rank, describe_startup_error(e, rank, device), startup=True)))

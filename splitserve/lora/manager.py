@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from splitserve.config import EngineConfig
 from splitserve.lora.adapter import LoRAAdapter, LoRATargets, load_adapter
 from splitserve.protocol.lora import LoRARequest, LoRASlotLoad
 
@@ -155,16 +156,15 @@ class LoRAManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build_lora(args, hf_config, dtype: torch.dtype, model):
+def build_lora(config: EngineConfig, model):
     """With --enable-lora: the core's manager, and the worker's side attached to the built model
     (before it is compiled). Returns (LoRAManager, LoRAWorker)."""
     from splitserve.lora.layers import attach_lora
     from splitserve.lora.worker import LoRAWorker
-    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
-        raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras ({args.max_loras})")
-    manager = LoRAManager(LoRATargets.from_hf_config(hf_config), args.max_loras, args.max_lora_rank,
-                          args.max_cpu_loras, dtype, pin_memory=next(model.parameters()).is_cuda)
+    lora, m = config.lora, config.model
+    manager = LoRAManager(LoRATargets.from_hf_config(m.hf_config), lora.max_loras, lora.max_rank,
+                          lora.max_cpu_loras, m.dtype, pin_memory=next(model.parameters()).is_cuda)
     # The layout covers a step's token budget and a decode graph's padded batch (at most max_num_seqs).
-    max_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-    lora_model = attach_lora(model, args.max_loras, args.max_lora_rank, max_tokens)
+    max_tokens = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    lora_model = attach_lora(model, lora.max_loras, lora.max_rank, max_tokens)
     return manager, LoRAWorker(lora_model, manager.host_adapter)

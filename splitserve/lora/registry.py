@@ -11,20 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-
+from splitserve.config import LoRAConfig
 from splitserve.lora.adapter import LoRATargets, load_adapter
 from splitserve.protocol.lora import LoRARequest
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    max_loras: int
-    max_rank: int
-    max_cpu_loras: int | None
-    modules: tuple[tuple[str, str], ...]   # (name, path) of --lora-modules
-    allow_runtime: bool
-    allowed_dir: str | None
 
 
 def parse_lora_modules(items: list[str] | None) -> tuple[tuple[str, str], ...]:
@@ -48,20 +37,6 @@ def parse_lora_modules(items: list[str] | None) -> tuple[tuple[str, str], ...]:
     if dupes:
         raise ValueError(f"--lora-modules names a LoRA adapter twice: {dupes}")
     return tuple(out)
-
-
-def lora_config_from_args(args) -> LoRAConfig | None:
-    if not args.enable_lora:
-        if args.lora_modules:
-            raise ValueError("--lora-modules needs --enable-lora")
-        return None
-    if args.max_loras < 1 or args.max_lora_rank < 1:
-        raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {args.max_loras} and {args.max_lora_rank}")
-    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
-        raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras ({args.max_loras})")
-    env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
-    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
-                      args.allow_runtime_lora or env, args.lora_allowed_dir)
 
 
 class LoRARegistry:

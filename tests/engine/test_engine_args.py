@@ -11,7 +11,7 @@ import typing
 import pytest
 
 from splitserve.arg_utils import CliOptions, _base_type, flag_name, option
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 from splitserve.entrypoints import cli
 from splitserve.entrypoints.openai.server_args import ServerArgs
 from splitserve.multimodal.media import MediaArgs, MediaPolicy

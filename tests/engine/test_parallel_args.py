@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from splitserve.fault_injection import parse_rank_fault
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 from splitserve.entrypoints import cli
 
 TORCHRUN_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 from splitserve.entrypoints import cli
 from splitserve.entrypoints.openai.server_args import ServerArgs
-from splitserve.entrypoints.vllm_flags import VLLM_FLAGS, find_unsupported
+from splitserve.engine.vllm_flags import VLLM_FLAGS, find_unsupported
 
 
 def serve_parser() -> argparse.ArgumentParser:

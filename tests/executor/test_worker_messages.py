@@ -8,7 +8,7 @@ from splitserve.protocol.sched_output import CachedRequestData, GrammarBitmask, 
 from splitserve.executor.multiproc import Addresses, addresses, describe_exit, local_ranks
 from splitserve.protocol.rank_messages import CoreToWorker, RunStep, StepDone, WorkerToCore
 from splitserve.protocol.core_messages import Codec
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 from splitserve.sampling_params import SamplingParams
 
 

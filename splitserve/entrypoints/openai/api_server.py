@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitserve import __version__
 from splitserve.engine.async_engine import AsyncLLMEngine
-from splitserve.engine_args import EngineArgs
+from splitserve.engine.args import EngineArgs
 from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from splitserve.entrypoints.openai.protocol import (APIError, LoadLoRAAdapterRequest, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,

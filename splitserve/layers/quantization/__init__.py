@@ -5,4 +5,4 @@ Only names live here, so that building the command line imports no torch."""
 
 # vLLM's names for the quantizations splitserve runs; `--quantization` takes these (None: whatever
 # the checkpoint's quantization_config says).
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "modelopt", "gptq", "awq")
+from splitserve.config import QUANTIZATION_METHODS  # noqa: F401  (the names live with the config)

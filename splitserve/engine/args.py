@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
-from splitserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
-from splitserve.layers.quantization import QUANTIZATION_METHODS
+from splitserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES, STRUCTURED_OUTPUT_FILLS,
+                               EngineConfig)
 
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
@@ -76,7 +76,7 @@ class EngineArgs(CliOptions):
         None, default_text="on with CUDA",
         help="schedule the next step while the device runs the current one")
     structured_outputs_fill: str = option(
-        "process", choices=("process", "inline"),
+        "process", choices=STRUCTURED_OUTPUT_FILLS,
         help="where grammar masks of structured outputs are filled: process: a grammar process beside the "
              "engine core, overlapping the core's host work (the in-process fill takes over if it cannot "
              "start); inline: threads of the engine core")
@@ -95,7 +95,7 @@ class EngineArgs(CliOptions):
         None, metavar="JSON", default_text="none",
         help="JSON object of defaults that replace those of the generation config, "
              "e.g. '{\"temperature\": 0.5}'")
-    # -- parallelism (distributed/: one worker process per device when the world is larger than 1) --
+    # -- parallelism (executor/: one worker process per device when the world is larger than 1) --
     tensor_parallel_size: int = option(
         1, aliases=("-tp",), help="devices each layer is split across (one worker process each)")
     pipeline_parallel_size: int = option(
@@ -192,3 +192,9 @@ class EngineArgs(CliOptions):
     @classmethod
     def cli_title(cls) -> str:
         return "engine options"
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen EngineConfig these arguments describe: the model's config read (no weights), every
+        section checked. Bad arguments fail here, before any process starts."""
+        from splitserve.engine.config_builder import build_engine_config
+        return build_engine_config(self)

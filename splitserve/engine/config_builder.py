@@ -1,0 +1,81 @@
+"""EngineArgs -> EngineConfig, once. Reads the model's configuration (HF config.json, a GGUF's metadata,
+a .nemo archive's), never its weights; the front calls it before any engine process starts, so a bad
+argument fails here, and the result is all that crosses into the engine core and its ranks."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
+                               ParallelConfig, SchedulerConfig)
+
+if TYPE_CHECKING:
+    from splitserve.engine.args import EngineArgs
+
+
+def check_device(device: str) -> None:
+    import torch
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is visible to torch (torch {torch.__version__}"
+                         f"{', built without CUDA' if torch.version.cuda is None else ''}); use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"--device must be cuda, cuda:N or cpu, got {device!r}")
+
+
+def lora_config(args: EngineArgs) -> LoRAConfig | None:
+    """The LoRA section, parsed once (the registry and the manager read this, not the arguments)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    from splitserve.lora.registry import parse_lora_modules
+    env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
+                      args.allow_runtime_lora or env, args.lora_allowed_dir)
+
+
+def build_engine_config(args: EngineArgs) -> EngineConfig:
+    import torch
+
+    from splitserve.layers.quantization.config import resolve_quant_config
+    from splitserve.models.generation_config import sampling_defaults
+    from splitserve.models.loader import load_hf_config, read_generation_eos, resolve_dtype
+    from splitserve.models.registry import get_model_class
+    from splitserve.models.resolve import resolve_model
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    source = resolve_model(args.model)
+    tokenizer_source = resolve_model(args.tokenizer) if args.tokenizer else None
+    defaults = sampling_defaults(args.generation_config, source.directory, bool(source.gguf_file),
+                                 args.override_generation_config)
+    hf_config = load_hf_config(source)
+    if args.num_frames is not None:  # frames sampled per video (Video NeVA); the model reads it
+        if args.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {args.num_frames}")
+        hf_config.num_frames = args.num_frames
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
+    context = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context of {context} tokens")
+    max_model_len = args.max_model_len or context
+    eos = {hf_config.eos_token_id} if isinstance(hf_config.eos_token_id, int) else set(hf_config.eos_token_id or [])
+    eos |= set(read_generation_eos(source))
+    arch, _ = get_model_class(hf_config.architectures, hf_config)
+    backend = args.attention_backend or ("triton" if device.startswith("cuda") else "torch_ref")
+    return EngineConfig(
+        model=ModelConfig(hf_config, arch, dtype, max_model_len, hf_config.vocab_size, tuple(sorted(eos)),
+                          quant_config),
+        cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.num_blocks,
+                          args.cpu_kv_cache_gib, args.enable_prefix_caching, args.kv_cache_dtype),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy),
+        compile=CompileConfig(enforce_eager=args.enforce_eager),
+        device=device, attention_backend=backend,
+        parallel=ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes, args.node_rank,
+                                args.master_addr, args.master_port, args.distributed_timeout_s, args.step_timeout_s),
+        load=LoadConfig(source, tokenizer_source, args.random_weights),
+        lora=lora_config(args),
+        structured_outputs_fill=args.structured_outputs_fill,
+        seed=args.seed, async_scheduling=args.async_scheduling,
+        served_model_names=tuple(args.served_model_name or (source.name,)),
+        sampling_defaults=defaults)
