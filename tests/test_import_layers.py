@@ -112,3 +112,14 @@ def test_the_check_sees_an_upward_import(tmp_path):
     (pkg / "parallel" / "groups.py").write_text("def f():\n    from splitserve.engine import llm\n")
     (pkg / "parallel" / "ok.py").write_text("if TYPE_CHECKING:\n    from splitserve.engine import llm\n")
     assert import_arrows(pkg) == [("parallel", "engine", "splitserve/parallel/groups.py:2")]
+
+
+def test_design_md_draws_the_rooms_as_they_are():
+    """DESIGN.md's drawing of the rooms is the one scripts/rooms.py makes from today's imports."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("rooms", PACKAGE.parent / "scripts" / "rooms.py")
+    rooms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rooms)
+    design = (PACKAGE.parent / "DESIGN.md").read_text(encoding="utf-8")
+    assert rooms.BEGIN in design, "DESIGN.md lost its rooms drawing markers"
+    assert rooms.with_drawing(design) == design, "run: python scripts/rooms.py --write"
