@@ -207,6 +207,7 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         return model_card(model_id).model_dump()
 
     serving.on_lora_request = metrics.on_lora_request
+    serving.metrics = metrics
     add_lora_routes(api, serving)
 
     @api.post("/v1/completions", dependencies=[Depends(accepting)])
