@@ -160,8 +160,8 @@ class ServerMetrics:
                          sorted(cache_info), registry=r)
             info.labels(**cache_info).set(1)
         # Touch each labelled series so the names appear (at 0) before the first request.
-        for m in (self.requests_added, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
-                  self.prefill_time, self.decode_time, self.inference_time, self.request_prompt_tokens,
+        for m in (self.requests_added, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                  self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.request_prompt_tokens,
                   self.request_generation_tokens, self.params_n, self.iteration_tokens):
             m.labels(model_name)
         for reason in FINISH_REASONS:
