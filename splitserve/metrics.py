@@ -8,6 +8,12 @@ process-global registry. Three kinds of figures:
 - per-step figures (tokens run by each engine step) arrive with the core's step messages;
 - engine state (running/waiting, KV usage, prefix-cache and preemption counters) is read at scrape
   time from the counters the engine core sends with each step, never from live structures.
+Request accounting has one rule: a request is added when the server hands it to the engine
+(`on_request_added`), and leaves through exactly one finish reason: stop, length, abort or error once
+its stream ends (`on_output`), or "rejected" when the engine refuses it at the door (overloaded,
+shutting down, input only the engine checks). The unit is the engine request: one prompt with all of
+its n samples. So `num_requests_added_total` always equals the sum of `request_success_total` over
+the reasons, plus the requests still in flight.
 With `--metrics-compat vllm` every family is also answered under its `vllm:` name (and the older
 vLLM names of the KV-usage gauge and the per-token latency), so existing dashboards work.
 """
@@ -29,7 +35,7 @@ from splitserve.engine.output_processor import RequestOutput
 logger = logging.getLogger(__name__)
 
 PREFIX = "splitserve:"
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
 # Latency buckets spanning a fast GPU (milliseconds) to a slow CPU (tens of seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -83,8 +89,6 @@ class _EngineStateCollector(Collector):
         yield gauge("splitserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_usage)
         yield counter("splitserve:prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_queries)
         yield counter("splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hits)
-        yield counter("splitserve:num_requests_added", "Requests the engine took in (each finishes exactly once).",
-                      s.num_received)
         yield counter("splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       s.num_preemptions)
 
@@ -117,7 +121,10 @@ class ServerMetrics:
         r, ln = self.registry, ["model_name"]
         self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens processed.", ln, registry=r)
         self.generation_tokens = Counter("splitserve:generation_tokens", "Tokens generated.", ln, registry=r)
-        self.request_success = Counter("splitserve:request_success", "Finished requests, by finish reason.",
+        self.requests_added = Counter("splitserve:num_requests_added",
+                                      "Requests handed to the engine (each finishes exactly once).", ln, registry=r)
+        self.request_success = Counter("splitserve:request_success", "Finished requests, by finish reason "
+                                       "(rejected: refused by the engine when added).",
                                        ln + ["finished_reason"], registry=r)
         self.lora_requests = Counter("splitserve:lora_requests", "Requests that selected a LoRA adapter, by adapter.",
                                      ln + ["lora_name"], registry=r)
@@ -153,8 +160,8 @@ class ServerMetrics:
                          sorted(cache_info), registry=r)
             info.labels(**cache_info).set(1)
         # Touch each labelled series so the names appear (at 0) before the first request.
-        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
-                  self.prefill_time, self.decode_time, self.inference_time, self.request_prompt_tokens,
+        for m in (self.requests_added, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                  self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.request_prompt_tokens,
                   self.request_generation_tokens, self.params_n, self.iteration_tokens):
             m.labels(model_name)
         for reason in FINISH_REASONS:
@@ -166,6 +173,16 @@ class ServerMetrics:
         # Plain running totals for the periodic stats line (cheaper than reading the collectors).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
+
+    def on_request_added(self) -> None:
+        self.requests_added.labels(self.model_name).inc()
+
+    def on_request_rejected(self) -> None:
+        """The engine refused a request on_request_added counted: it ends here, with no stream."""
+        self._finished("rejected")
+
+    def _finished(self, reason: str) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
 
     def on_output(self, stream: RequestStream, out: RequestOutput, ts: float) -> None:
         """Observes one engine output of a request; `ts` is when the engine step produced it."""
@@ -191,8 +208,7 @@ class ServerMetrics:
             self.total_generation_tokens += new_tokens
         if out.finished:
             reasons = [o.finish_reason for o in out.outputs]
-            reason = "error" if "error" in reasons else reasons[0] or "abort"
-            self.request_success.labels(name, reason).inc()
+            self._finished("error" if "error" in reasons else reasons[0] or "abort")
             self.e2e.labels(name).observe(ts - stream.arrival_time)
             self.params_n.labels(name).observe(len(out.outputs))
             self.request_prompt_tokens.labels(name).observe(len(out.prompt_token_ids))

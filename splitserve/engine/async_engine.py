@@ -427,19 +427,25 @@ class AsyncLLMEngine:
             if out.finished:
                 stream.engine_done = True
                 self._streams.pop(out.request_id, None)
-            if self.on_output is not None:
-                try:
-                    self.on_output(stream, out, ts)
-                except Exception:  # metrics must never break serving
-                    logger.exception("output observer failed")
+            self._observe(stream, out, ts)
             if any(o.finish_reason == "error" for o in out.outputs):
                 stream._put(EngineRequestError("the engine failed while running this request"))
             else:
                 stream._put(out)
 
+    def _observe(self, stream: RequestStream, out: RequestOutput, ts: float) -> None:
+        if self.on_output is not None:
+            try:
+                self.on_output(stream, out, ts)
+            except Exception:  # metrics must never break serving
+                logger.exception("output observer failed")
+
     def _fail_all(self, exc: BaseException) -> None:
+        ts = time.monotonic()
         for rid in list(self._streams):
-            self.front.output_processor.abort(rid, "error")
+            out, _ = self.front.output_processor.abort(rid, "error")
             stream = self._streams.pop(rid)
             stream.engine_done = True
+            if out is not None:  # the observer sees every request end, these too (metrics: "error")
+                self._observe(stream, out, ts)
             stream._put(EngineShutdownError(f"the engine stopped: {exc}"))

@@ -31,6 +31,7 @@ from splitserve import __version__
 from splitserve.engine.async_engine import AsyncLLMEngine
 from splitserve.engine.args import EngineArgs
 from splitserve.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from splitserve.entrypoints.openai.http10 import http_protocol
 from splitserve.entrypoints.openai.protocol import (APIError, LoadLoRAAdapterRequest, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                                     TokenizeRequest)
@@ -207,6 +208,7 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         return model_card(model_id).model_dump()
 
     serving.on_lora_request = metrics.on_lora_request
+    serving.metrics = metrics
     add_lora_routes(api, serving)
 
     @api.post("/v1/completions", dependencies=[Depends(accepting)])
@@ -381,7 +383,7 @@ def run_server(args: argparse.Namespace) -> int:
         engine.engine.tokenizer.chat_template = chat_template
     app = build_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
-                            access_log=not args.disable_access_log, lifespan="on",
+                            access_log=not args.disable_access_log, lifespan="on", http=http_protocol(),
                             # uvicorn's own cut-off is only the fallback: ours (at drain_timeout)
                             # ends the remaining streams cleanly, given this grace to flush them.
                             timeout_graceful_shutdown=args.drain_timeout + _DRAIN_GRACE_S)

@@ -25,11 +25,12 @@ from splitserve.engine.output_processor import CompletionOutput, RequestOutput
 from splitserve.entrypoints.openai.protocol import (
     APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
     ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse, TokenizeRequest, TokenizeResponse, UsageInfo)
+    CompletionStreamResponse, DeltaMessage, TokenizeRequest, TokenizeResponse, UsageInfo)
 from splitserve.entrypoints.openai import tool_calls_serving as tools_io
 from splitserve.entrypoints.openai.serving_logprobs import (chat_logprobs, completion_logprobs, echo_logprobs,
                                                             prompt_logprobs_out)
 from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
+from splitserve.entrypoints.openai.sse import event_stream_response, sse as _sse
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_messages_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES, VIDEO_MARKER, VIDEO_PART_TYPES
@@ -39,7 +40,6 @@ from splitserve.tokenize_parallel import can_cut, encode_text
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Tokenizing a text (or rendering a chat template) costs ~1.4 s of CPU per MB: a 1024-token prompt
 # is ~6 ms (measured on the H100 host, 1.30 s of the loop's CPU for 200 such prompts), which on the
 # event loop delays every stream's next event. So all but short texts go to worker threads (HF fast
@@ -67,17 +67,6 @@ def json_response(body: BaseModel, status: int = 200) -> Response:
     return Response(body.model_dump_json(), status_code=status, media_type="application/json")
 
 
-# Characters that JSON leaves raw inside strings but that line splitters built on str.splitlines
-# (httpx's aiter_lines among them) take for line breaks, cutting an event in two. Escaped, the JSON
-# is the same. (The C0 ones, like \x1c or \x0b, are always escaped by the JSON encoder.)
-_LINE_BREAK_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _sse(payload: str) -> str:
-    """One server-sent event carrying a JSON payload, on a single line for every line splitter."""
-    return f"data: {payload.translate(_LINE_BREAK_ESCAPES)}\n\n"
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, model_root: str | None = None,
                  log_requests: bool = False, tool_parser: str | None = None):
@@ -88,6 +77,9 @@ class OpenAIServing:
         # LoRA adapters clients select with model=NAME (lora/registry.py); None without a front (fakes)
         self.loras = getattr(getattr(engine, "front", None), "loras", None)
         self.on_lora_request = None  # (adapter name) -> None: the server's per-adapter request count
+        # The server's ServerMetrics (None: not counted): every request handed to the engine is
+        # counted in here, and one the engine refuses is counted out here (the others end in on_output).
+        self.metrics = None
         self.model_root = model_root
         # The generation config's sampling defaults, for fields a request leaves unset.
         self.sampling_defaults = dict(getattr(engine.engine, "sampling_defaults", None) or {})
@@ -242,7 +234,7 @@ class OpenAIServing:
                         params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty,
                         params.max_tokens, params.seed, params.logprobs)
         try:
-            stream = self.engine.add_request(request_id, prompt, params, lora_request=lora_request, priority=priority)
+            stream = self._engine_add(request_id, prompt, params, lora_request, priority)
         except EngineOverloadedError as e:
             raise overloaded(str(e)) from None
         except EngineShutdownError as e:
@@ -260,6 +252,20 @@ class OpenAIServing:
         if lora_request is not None and self.on_lora_request is not None:
             self.on_lora_request(lora_request.lora_name)
         return stream
+
+    def _engine_add(self, request_id: str, prompt, params: SamplingParams, lora_request, priority: int
+                    ) -> RequestStream:
+        """The one door into the engine, and so the one place requests are counted in. A refusal
+        (overloaded, shutting down, bad input) leaves no stream for on_output to see end: it is
+        counted out here."""
+        if self.metrics is not None:
+            self.metrics.on_request_added()
+        try:
+            return self.engine.add_request(request_id, prompt, params, lora_request=lora_request, priority=priority)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.on_request_rejected()
+            raise
 
     def _add_all(self, base_id: str, prompts: list, params: SamplingParams, param: str,
                  lora_request=None, priority: int = 0) -> list[RequestStream]:
@@ -339,26 +345,7 @@ class OpenAIServing:
                 t.cancel()
 
     def _stream_response(self, body: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
-        async def guarded() -> AsyncIterator[str]:
-            try:
-                async for chunk in body:
-                    yield chunk
-            except Exception as e:
-                # Headers are out already: report in-band, then end the stream properly, so the
-                # client sees an error event and [DONE] rather than a connection cut mid-body.
-                if isinstance(e, EngineShutdownError):
-                    err = ErrorInfo(message=str(e), type="service_unavailable", code="service_unavailable")
-                elif isinstance(e, EngineRequestError):
-                    err = ErrorInfo(message=str(e), type="internal_server_error", code="internal_error")
-                else:
-                    logger.exception("streaming response failed")
-                    err = ErrorInfo(message="internal server error", type="internal_server_error",
-                                    code="internal_error")
-                yield _sse(ErrorResponse(error=err).model_dump_json())
-                yield _sse("[DONE]")
-            finally:
-                self._abort(streams)  # the client went away (cancelled) or we failed: free the blocks
-        return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return event_stream_response(body, lambda: self._abort(streams))
 
     @staticmethod
     def _prompt_tokens(out: RequestOutput) -> int:
