@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.models.decoder import DecoderForCausalLM
 from splitserve.models.encoder_image_prompt import EncoderImagePromptProcessor
@@ -102,7 +103,8 @@ class NougatForConditionalGeneration(nn.Module):
         enc, dec = config.encoder, config.decoder
         self.encoder = SwinEncoder(enc)
         if self.encoder.hidden_size != dec.d_model and getattr(dec, "cross_attention_hidden_size", None) is None:
-            self.enc_to_dec_proj = nn.Linear(self.encoder.hidden_size, dec.d_model)
+            # float and whole on every rank, as the Swin encoder before it (models/swin.py)
+            self.enc_to_dec_proj = Linear(self.encoder.hidden_size, dec.d_model, bias=True)
         else:
             self.enc_to_dec_proj = None
         self.decoder = DecoderForCausalLM(dec, quant_config, prefix="decoder.model", head_name="decoder.lm_head",
@@ -169,7 +171,6 @@ class NougatForConditionalGeneration(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        encoder_params = dict(self.encoder.named_parameters())
         own = {} if self.enc_to_dec_proj is None else dict(self.enc_to_dec_proj.named_parameters())
         loaded: set[str] = set()
 
@@ -178,12 +179,11 @@ class NougatForConditionalGeneration(nn.Module):
                 if name.startswith("decoder."):
                     yield name[len("decoder."):], tensor
                 elif name.startswith("encoder."):
-                    filled = self.encoder.load_weight(name[len("encoder."):], as_tensor(tensor), encoder_params)
+                    filled = self.encoder.load_weight(name[len("encoder."):], as_tensor(tensor))
                     if filled is not None:
                         loaded.add(f"encoder.{filled}")
                 elif name.startswith("enc_to_dec_proj.") and name[len("enc_to_dec_proj."):] in own:
-                    with torch.no_grad():
-                        own[name[len("enc_to_dec_proj."):]].copy_(as_tensor(tensor))
+                    self.enc_to_dec_proj.load(name[len("enc_to_dec_proj."):], as_tensor(tensor))
                     loaded.add(name)
                 else:
                     raise ValueError(f"unexpected Nougat checkpoint tensor {name!r}")

@@ -14,6 +14,11 @@ variable-resolution patches in front of a T5-style text decoder, on the engine's
 - **Decoder**: T5's (relative position bias in layer 0, shared; self-attention, cross-attention,
   gated MLP), through the engine's attention and cross-attention ops; an untied LM head, no output
   scaling.
+
+Both sides are built from T5's layers (models/t5.py) on splitserve/layers' parallel linear layers:
+with tensor parallelism every rank holds its heads of the vision encoder and of the decoder (and its
+columns of the relative bias), the embedding and head split by vocabulary rows; a quantization
+method applies to the text decoder's layers (the vision encoder stays float, see below).
 """
 from __future__ import annotations
 
@@ -23,40 +28,20 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.attention.cross import CrossAttention
 from splitserve.attention.layer import Attention
+from splitserve.layers.linear import Linear
+from splitserve.layers.parallel_linear import ParallelLMHead, VocabParallelEmbedding
+from splitserve.layers.quantization.base import QuantConfig, method_for
 from splitserve.models.encoder_image_prompt import EncoderImagePromptProcessor
-from splitserve.models.t5 import _ACTIVATIONS, T5LayerNorm, relative_position_bucket
+from splitserve.models.t5 import (T5Attention, T5LayerNorm, T5MLP, load_named, methods, relative_position_bucket,
+                                  tp_logits)
 
 DEPLOT_PROMPT = "Generate underlying data table of the figure below:"
-
-
-class _Attn(nn.Module):
-    def __init__(self, hidden: int, inner: int, num_buckets: int | None = None, num_heads: int = 0):
-        super().__init__()
-        self.query = nn.Linear(hidden, inner, bias=False)
-        self.key = nn.Linear(hidden, inner, bias=False)
-        self.value = nn.Linear(hidden, inner, bias=False)
-        self.output = nn.Linear(inner, hidden, bias=False)
-        if num_buckets is not None:
-            self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
-
-
-class _GatedMlp(nn.Module):
-    def __init__(self, hidden: int, d_ff: int, act: str):
-        super().__init__()
-        self.wi_0 = nn.Linear(hidden, d_ff, bias=False)
-        self.wi_1 = nn.Linear(hidden, d_ff, bias=False)
-        self.wo = nn.Linear(d_ff, hidden, bias=False)
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"Pix2Struct dense_act_fn {act!r} is not supported; known: {sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
+# Pix2Struct's checkpoint names of an attention's q, k, v, o
+_NAMES = ("query", "key", "value", "output")
 
 
 class _Named(nn.Module):
@@ -72,21 +57,22 @@ class Pix2StructForConditionalGeneration(nn.Module):
     is_encoder_decoder = True
     is_multimodal = True  # the front builds its processor (mm_processor_class); the encoder takes images
 
-    def __init__(self, config, quant_config=None):
+    def __init__(self, config, quant_config: QuantConfig | None = None):
         super().__init__()
-        if quant_config is not None:
-            raise ValueError("quantized Pix2Struct checkpoints are not supported")
-        self.config = config
+        self.config, self.quant_config = config, quant_config
         v, t = config.vision_config, config.text_config
-        self.vision_heads, self.vision_head_dim = v.num_attention_heads, v.d_kv
-        vis_inner = v.num_attention_heads * v.d_kv
-        layers = [_Named(attention=_Attn(v.hidden_size, vis_inner),
-                         mlp=_GatedMlp(v.hidden_size, v.d_ff, v.dense_act_fn),
+        # The vision encoder is split over the tensor-parallel ranks by heads like the text model
+        # (the same T5-style layers), but stays float under quantization, as the engine's other
+        # vision towers do (quantization recipes leave vision encoders out): its layers get no method.
+        float_layers = methods(None, "")
+        layers = [_Named(attention=T5Attention(v.hidden_size, v.num_attention_heads, v.d_kv, float_layers, _NAMES),
+                         mlp=T5MLP(v.hidden_size, v.d_ff, v.dense_act_fn, True, float_layers),
                          pre_mlp_layer_norm=T5LayerNorm(v.hidden_size, v.layer_norm_eps),
                          pre_attention_layer_norm=T5LayerNorm(v.hidden_size, v.layer_norm_eps))
                   for _ in range(v.num_hidden_layers)]
+        # The patch projection's input is the patch pixels: every rank projects them whole.
         self.encoder = _Named(
-            embeddings=_Named(patch_projection=nn.Linear(v.patch_embed_hidden_size, v.hidden_size),
+            embeddings=_Named(patch_projection=Linear(v.patch_embed_hidden_size, v.hidden_size, bias=True),
                               row_embedder=nn.Embedding(v.seq_len, v.hidden_size),
                               column_embedder=nn.Embedding(v.seq_len, v.hidden_size)),
             encoder=_Named(layer=nn.ModuleList(layers)),
@@ -97,20 +83,28 @@ class Pix2StructForConditionalGeneration(nn.Module):
         eps = t.layer_norm_epsilon
         blocks = []
         for i in range(t.num_layers):
-            bias = dict(num_buckets=t.relative_attention_num_buckets, num_heads=t.num_heads) if i == 0 else {}
+            at = f"decoder.layer.{i}."
+            buckets = t.relative_attention_num_buckets if i == 0 else None
             blocks.append(_Named(
-                self_attention=_Named(attention=_Attn(t.hidden_size, t.hidden_size, **bias),
-                                      layer_norm=T5LayerNorm(t.hidden_size, eps)),
-                encoder_decoder_attention=_Named(attention=_Attn(t.hidden_size, t.hidden_size),
-                                                 layer_norm=T5LayerNorm(t.hidden_size, eps)),
-                mlp=_Named(DenseReluDense=_GatedMlp(t.hidden_size, t.d_ff, t.dense_act_fn),
+                self_attention=_Named(attention=T5Attention(
+                    t.hidden_size, t.num_heads, self.head_dim, methods(quant_config, f"{at}self_attention.attention."),
+                    _NAMES, num_buckets=buckets), layer_norm=T5LayerNorm(t.hidden_size, eps)),
+                encoder_decoder_attention=_Named(attention=T5Attention(
+                    t.hidden_size, t.num_heads, self.head_dim,
+                    methods(quant_config, f"{at}encoder_decoder_attention.attention."), _NAMES, cross=True),
+                    layer_norm=T5LayerNorm(t.hidden_size, eps)),
+                mlp=_Named(DenseReluDense=T5MLP(t.hidden_size, t.d_ff, t.dense_act_fn, True,
+                                                methods(quant_config, f"{at}mlp.DenseReluDense.")),
                            layer_norm=T5LayerNorm(t.hidden_size, eps))))
-        self.decoder = _Named(embed_tokens=nn.Embedding(t.vocab_size, t.hidden_size), layer=nn.ModuleList(blocks),
-                              final_layer_norm=T5LayerNorm(t.hidden_size, eps),
-                              lm_head=nn.Linear(t.hidden_size, t.vocab_size, bias=False))
-        self.self_attn = nn.ModuleList(Attention(i, self.num_heads, self.num_heads, self.head_dim, 1.0)
-                                       for i in range(t.num_layers))
-        self.cross_attn = nn.ModuleList(CrossAttention(i, self.num_heads, self.num_heads, self.head_dim, 1.0)
+        # As for the decoder-only models, online FP8 leaves the LM head in float (its ignore list).
+        self.decoder = _Named(embed_tokens=VocabParallelEmbedding(t.vocab_size, t.hidden_size),
+                              layer=nn.ModuleList(blocks), final_layer_norm=T5LayerNorm(t.hidden_size, eps),
+                              lm_head=ParallelLMHead(t.hidden_size, t.vocab_size,
+                                                     method=method_for(quant_config, "decoder.lm_head")))
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        heads = blocks[0].self_attention.attention.num_heads  # this rank's
+        self.self_attn = nn.ModuleList(Attention(i, heads, heads, self.head_dim, 1.0) for i in range(t.num_layers))
+        self.cross_attn = nn.ModuleList(CrossAttention(i, heads, heads, self.head_dim, 1.0)
                                         for i in range(t.num_layers))
         self._bias_ready = False
 
@@ -133,20 +127,15 @@ class Pix2StructForConditionalGeneration(nn.Module):
              + emb.column_embedder(x[..., 1].long()))
         valid = torch.arange(L, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
         mask = torch.zeros(N, 1, 1, L, device=dev).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
-        H, D = self.vision_heads, self.vision_head_dim
         for layer in self.encoder.encoder.layer:
-            a = layer.pre_attention_layer_norm(h)
-            att = layer.attention
-            q, k, v = (p(a).view(N, L, H, D).transpose(1, 2) for p in (att.query, att.key, att.value))
-            w = torch.softmax((q @ k.transpose(-1, -2)).float() + mask, dim=-1).to(v.dtype)
-            h = h + att.output((w @ v).transpose(1, 2).reshape(N, L, H * D))
+            h = h + layer.attention.bidirectional(layer.pre_attention_layer_norm(h), mask)
             h = h + layer.mlp(layer.pre_mlp_layer_norm(h))
         return self.encoder.layernorm(h)[valid]
 
     def store_cross_kv(self, hidden: torch.Tensor, slots: torch.Tensor, backend) -> None:
         for block, cross in zip(self.decoder.layer, self.cross_attn):
-            att = block.encoder_decoder_attention.attention
-            cross.store(att.key(hidden), att.value(hidden), slots, backend)
+            k, v = block.encoder_decoder_attention.attention.kv(hidden)
+            cross.store(k, v, slots, backend)
 
     # -- decoder ---------------------------------------------------------------------------------------
     def _ensure_bias_table(self) -> None:
@@ -157,7 +146,8 @@ class Pix2StructForConditionalGeneration(nn.Module):
         d = torch.arange(max_len, device=self.decoder.embed_tokens.weight.device)
         buckets = relative_position_bucket(-d, False, t.relative_attention_num_buckets,
                                            t.relative_attention_max_distance)
-        table = self.decoder.layer[0].self_attention.attention.relative_attention_bias(buckets).t().float().contiguous()  # [H, max_len], rows contiguous for the kernels
+        bias = self.decoder.layer[0].self_attention.attention.relative_attention_bias
+        table = bias(buckets).t().float().contiguous()  # [this rank's heads, max_len], rows contiguous for the kernels
         for attn in self.self_attn:
             attn.pos_bias = table
         self._bias_ready = True
@@ -168,34 +158,28 @@ class Pix2StructForConditionalGeneration(nn.Module):
         x = self.decoder.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for block, attn, cross in zip(self.decoder.layer, self.self_attn, self.cross_attn):
             sub = block.self_attention
-            h = sub.layer_norm(x)
             p = sub.attention
-            x = x + p.output(attn(p.query(h), p.key(h), p.value(h), positions))
+            x = x + p.o_proj(attn(*p.qkv(sub.layer_norm(x)), positions))
             sub = block.encoder_decoder_attention
-            x = x + sub.attention.output(cross(sub.attention.query(sub.layer_norm(x))))
+            x = x + sub.attention.o_proj(cross(sub.attention.q_proj(sub.layer_norm(x))))
             x = x + block.mlp.DenseReluDense(block.mlp.layer_norm(x))
         return self.decoder.final_layer_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.decoder.lm_head.weight
-        return F.linear(hidden, w) if out is None else torch.mm(hidden, w.t(), out=out)
+        return tp_logits(hidden, self.decoder.embed_tokens, self.decoder.lm_head, self.config.text_config.vocab_size,
+                         out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name not in params:
-                raise ValueError(f"unexpected Pix2Struct checkpoint tensor {name!r}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"Pix2Struct tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            loaded.add(name)
-        if "decoder.lm_head.weight" not in loaded and "decoder.embed_tokens.weight" in loaded:
-            with torch.no_grad():  # a tied checkpoint
-                self.decoder.lm_head.weight.copy_(self.decoder.embed_tokens.weight)
-            loaded.add("decoder.lm_head.weight")
+        def wanted():
+            for name, tensor in weights:
+                if self.quant_config is not None and self.quant_config.skip_tensor(name):
+                    continue
+                if name == "decoder.lm_head.weight" and self.tied:
+                    continue  # a tied head is the embedding (loaded from it below), as in transformers
+                yield name, tensor
+                if name == "decoder.embed_tokens.weight" and self.tied:
+                    yield "decoder.lm_head.weight", tensor
+        loaded = load_named(self, wanted(), "Pix2Struct")
         self._bias_ready = False
         return loaded
 
