@@ -64,7 +64,7 @@ def test_t5_two_ranks_match_one_and_transformers(tmp_path):
 def test_pix2struct_two_ranks_match_one_and_transformers(tmp_path):
     """Deplot's shape: the vision encoder's and the text decoder's 4 heads, 2 per rank; charts of
     different patch grids (ragged encoder lengths in one step) and headers."""
-    from splitserve.models.pix2struct import DEPLOT_PROMPT
+    from splitserve.models.pix2struct.processor import DEPLOT_PROMPT
     from tests.pix2struct_reference import bar_chart, hf_greedy, make_tiny_deplot
     path, hf, processor = make_tiny_deplot(tmp_path / "deplot")
     cases = [(bar_chart([0.3, 0.9, 0.5], (120, 80)), DEPLOT_PROMPT),

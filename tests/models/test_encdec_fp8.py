@@ -89,7 +89,7 @@ def test_t5_online_fp8_matches_fp8_reference(case, tmp_path):
 
 # -- Pix2Struct ----------------------------------------------------------------------------------------
 def test_pix2struct_online_fp8_matches_fp8_reference(tmp_path):
-    from splitserve.models.pix2struct import DEPLOT_PROMPT
+    from splitserve.models.pix2struct.processor import DEPLOT_PROMPT
     from tests.pix2struct_reference import bar_chart, hf_inputs, make_tiny_deplot
     path, hf, processor = make_tiny_deplot(tmp_path / "deplot")
     # the text decoder's linears; the vision encoder ("encoder.*") and the head stay float
