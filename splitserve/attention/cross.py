@@ -38,7 +38,9 @@ def _(q, kv_cache, num_heads, num_kv_heads, scale):
 
 class CrossAttention(nn.Module):
     """q [T, heads * head_dim] of the step's decoder tokens -> their attention over the encoder K/V.
-    layer_idx: the decoder layer whose cache tensor holds this layer's cross blocks."""
+    layer_idx: the decoder layer whose cache tensor holds this layer's cross blocks. With tensor
+    parallelism the heads are this rank's (as its self-attention's, whose cache tensor it shares):
+    its column-parallel q and k/v projections give them, its row-parallel output sums the ranks."""
     shares_layer_kv_cache = True  # the model runner binds kv_cache to decoder layer layer_idx's tensor
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):

@@ -54,6 +54,10 @@ class StageRunner(ModelRunner):
         self.tp, self.pp = tp_group(), pp_group()
         self.sampler_rank = sampler_rank
         self.samples = dist.get_rank() == sampler_rank if dist.is_initialized() else True
+        if self.encdec is not None and self.pp.world_size > 1:
+            # the encoder and every decoder layer's cross K/V would have to live on one stage
+            raise ValueError("encoder-decoder models run with tensor parallelism only; "
+                             "use pipeline_parallel_size 1")
 
     def setup_fast_path(self) -> None:
         if self.pp.world_size > 1:  # stages run eagerly: the graphs capture whole models
@@ -94,6 +98,8 @@ class StageRunner(ModelRunner):
         step_no = self.num_launched
         batch = self.prepare(sched, inflight)
         self.num_launched += 1
+        if self.encdec is not None:  # every rank runs the encoders, storing its heads' cross K/V
+            self.encdec.prepare(sched, batch.meta, self.input_batch)
         if self.mm is not None and batch.mm_spans and self.pp.is_first:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no)

@@ -14,10 +14,10 @@ _MODELS = {
     "LlavaLlamaModel": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     "LlavaLlamaForCausalLM": ("splitserve.models.vila", "VilaForConditionalGeneration"),
     # encoder-decoder models (cross-attention: attention/cross.py)
-    "T5ForConditionalGeneration": ("splitserve.models.t5", "T5ForConditionalGeneration"),
-    "Pix2StructForConditionalGeneration": ("splitserve.models.pix2struct", "Pix2StructForConditionalGeneration"),
+    "T5ForConditionalGeneration": ("splitserve.models.t5.model", "T5ForConditionalGeneration"),
+    "Pix2StructForConditionalGeneration": ("splitserve.models.pix2struct.model", "Pix2StructForConditionalGeneration"),
     # Swin + mBART only (Nougat); other encoder/decoder pairs are refused by name (nougat.supported_pair)
-    "VisionEncoderDecoderModel": ("splitserve.models.nougat", "NougatForConditionalGeneration"),
+    "VisionEncoderDecoderModel": ("splitserve.models.nougat.model", "NougatForConditionalGeneration"),
     "Phi3VForCausalLM": ("splitserve.models.phi3v", "Phi3VForCausalLM"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "CogVLMForCausalLM"),
     "Blip2ForConditionalGeneration": ("splitserve.models.blip2", "Blip2ForConditionalGeneration"),
@@ -33,10 +33,10 @@ _CONFIG_READERS = {
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
     "NevaForCausalLM": ("splitserve.models.neva", "load_neva_config"),
     # the decoder's sizes at the top level (mBART names its encoder's num_hidden_layers)
-    "vision-encoder-decoder": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
-    "nougat": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
+    "vision-encoder-decoder": ("splitserve.models.nougat.model", "load_vision_encoder_decoder_config"),
+    "nougat": ("splitserve.models.nougat.model", "load_vision_encoder_decoder_config"),
     # mBART's decoder alone: its num_attention_heads names the encoder's; the decoder's go to the top
-    "mbart": ("splitserve.models.nougat", "load_mbart_config"),
+    "mbart": ("splitserve.models.nougat.model", "load_mbart_config"),
 }
 
 
@@ -56,7 +56,7 @@ def supported_architectures() -> list[str]:
 # (architecture, the text config's model_type) -> class, where one architecture name covers models
 # the engine runs differently: BLIP-2 with Flan-T5 is an encoder-decoder, with OPT a decoder-only VLM.
 _BY_TEXT_MODEL = {
-    ("Blip2ForConditionalGeneration", "t5"): ("splitserve.models.blip2_t5", "Blip2T5ForConditionalGeneration"),
+    ("Blip2ForConditionalGeneration", "t5"): ("splitserve.models.blip2_t5.model", "Blip2T5ForConditionalGeneration"),
 }
 
 

@@ -9,7 +9,7 @@ import io
 import openai
 import pytest
 
-from splitserve.models.pix2struct import DEPLOT_PROMPT
+from splitserve.models.pix2struct.processor import DEPLOT_PROMPT
 from tests.e2e.conftest import DEFAULT_ARGS, ServerProcess
 from tests.pix2struct_reference import NEW_TOKENS, bar_chart, hf_greedy, make_tiny_deplot
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.blip2_t5 import Blip2T5ForConditionalGeneration
+from splitserve.models.blip2_t5.model import Blip2T5ForConditionalGeneration
 from splitserve.multimodal.processor import offline_prompt
 from tests.multimodal_reference import IMAGE, mm_tokenizer, random_image
 from tests.zoo_reference import NUM_QUERY, blip2_processor, make_tiny_blip2_dir

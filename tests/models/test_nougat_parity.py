@@ -99,7 +99,7 @@ def test_preemption_and_aborts(nougat_dir):
 def test_unsupported_encoder_decoder_pairs_are_refused():
     from transformers import GPT2Config, MBartConfig, VisionEncoderDecoderConfig, ViTConfig
 
-    from splitserve.models.nougat import NougatForConditionalGeneration
+    from splitserve.models.nougat.model import NougatForConditionalGeneration
     from splitserve.models.registry import get_model_class
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(ViTConfig(), GPT2Config())
     _, cls = get_model_class(["VisionEncoderDecoderModel"], config)
@@ -119,7 +119,7 @@ def test_swin_encoder_matches_transformers_on_odd_grids(model_type, tmp_path):
     merges padded) and a last stage no larger than a window; SwinModel's final LayerNorm too."""
     import transformers
 
-    from splitserve.models.swin import SwinEncoder
+    from splitserve.models.nougat.swin import SwinEncoder
     kw = dict(image_size=[60, 44], patch_size=4, embed_dim=16, depths=[2, 2, 2], num_heads=[2, 4, 4], window_size=3)
     config = (transformers.DonutSwinConfig if model_type == "donut-swin" else transformers.SwinConfig)(**kw)
     torch.manual_seed(1)
@@ -131,7 +131,7 @@ def test_swin_encoder_matches_transformers_on_odd_grids(model_type, tmp_path):
     from splitserve.models.safetensors_io import iter_safetensors
     ours = SwinEncoder(config).eval()
     params = dict(ours.named_parameters())
-    filled = {ours.load_weight(n, torch.as_tensor(t), params) for n, t in iter_safetensors(str(tmp_path))} - {None}
+    filled = {ours.load_weight(n, torch.as_tensor(t)) for n, t in iter_safetensors(str(tmp_path))} - {None}
     assert filled == set(params)
     pixels = torch.randn(2, 3, 60, 44)
     with torch.no_grad():

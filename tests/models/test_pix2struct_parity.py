@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.pix2struct import DEPLOT_PROMPT
+from splitserve.models.pix2struct.processor import DEPLOT_PROMPT
 from tests.pix2struct_reference import NEW_TOKENS, bar_chart, hf_greedy, hf_inputs, make_tiny_deplot
 
 

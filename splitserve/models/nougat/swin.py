@@ -10,7 +10,12 @@ twice the width) between stages. SwinModel adds a final LayerNorm; Donut's varia
 Kept as transformers computes it, since checkpoints were converted against it: feature maps padded
 with zeros to a multiple of the window after the layer's norm (the padding is attended to, not
 masked), the shift mask's -100, a stage whose map is no larger than a window attending over the
-whole map unshifted. Parameter names mirror transformers', so loading is a name-for-name copy.
+whole map unshifted. Parameter names mirror transformers' except query/key/value, merged into one
+projection (`qkv`, one matmul); loading routes them to its shards.
+
+The linear layers are splitserve/layers' plain ones, float and whole on every tensor-parallel rank,
+as the engine's other vision towers (layers/vision.py): the encoder runs once per request, and the
+decoder behind it is what quantization and tensor parallelism split.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.activation import activation
+from splitserve.layers.linear import Linear, MergedLinear
 from splitserve.layers.quantization.base import copy_checkpoint_tensor
 
 
@@ -60,14 +66,13 @@ class _Embeddings(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    """query/key/value and the relative position bias table of one layer (transformers' names)."""
+    """query/key/value (merged: `qkv`) and the relative position bias table of one layer."""
 
     def __init__(self, config, dim: int, heads: int):
         super().__init__()
         ws = config.window_size
-        self.query = nn.Linear(dim, dim, bias=config.qkv_bias)
-        self.key = nn.Linear(dim, dim, bias=config.qkv_bias)
-        self.value = nn.Linear(dim, dim, bias=config.qkv_bias)
+        self.qkv = MergedLinear(dim, {"query": dim, "key": dim, "value": dim}, bias=config.qkv_bias)
+        self.ckpt_children = {"query": "qkv", "key": "qkv", "value": "qkv"}  # checkpoint name -> merged layer
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * ws - 1) ** 2, heads))
         # index[i, j]: the table row of the offset between window positions i and j
         coords = torch.stack(torch.meshgrid(torch.arange(ws), torch.arange(ws), indexing="ij")).flatten(1)
@@ -86,7 +91,7 @@ class _Attention(nn.Module):
     def __init__(self, config, dim: int, heads: int):
         super().__init__()
         setattr(self, "self", _SelfAttention(config, dim, heads))  # transformers' name: attention.self
-        self.output = _Named(dense=nn.Linear(dim, dim))
+        self.output = _Named(dense=Linear(dim, dim, bias=True))
 
 
 class SwinLayer(nn.Module):
@@ -98,8 +103,8 @@ class SwinLayer(nn.Module):
         self.attention = _Attention(config, dim, heads)
         self.layernorm_after = nn.LayerNorm(dim, eps=eps)
         hidden = int(config.mlp_ratio * dim)
-        self.intermediate = _Named(dense=nn.Linear(dim, hidden))
-        self.output = _Named(dense=nn.Linear(hidden, dim))
+        self.intermediate = _Named(dense=Linear(dim, hidden, bias=True))
+        self.output = _Named(dense=Linear(hidden, dim, bias=True))
         self.act = activation(config.hidden_act)
 
     def _shift_mask(self, hp: int, wp: int, ws: int, shift: int, device) -> torch.Tensor:
@@ -130,8 +135,8 @@ class SwinLayer(nn.Module):
         nW, T, D, H = (hp // ws) * (wp // ws), ws * ws, C // self.heads, self.heads
         # (window, head) pairs as the attention's heads: one mask of [windows * heads, T, T] serves
         # every image of the batch (broadcast), never one copy per image.
-        q, k, v = (p(win).view(N, nW, T, H, D).permute(0, 1, 3, 2, 4).reshape(N, nW * H, T, D)
-                   for p in (attn.query, attn.key, attn.value))
+        q, k, v = (t.view(N, nW, T, H, D).permute(0, 1, 3, 2, 4).reshape(N, nW * H, T, D)
+                   for t in attn.qkv.split(attn.qkv(win)))
         bias = attn.relative_position_bias_table[attn.index].permute(2, 0, 1)  # [heads, T, T]
         mask = bias[None].expand(nW, -1, -1, -1)
         if shift:
@@ -150,7 +155,7 @@ class SwinLayer(nn.Module):
 class PatchMerging(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.reduction = Linear(4 * dim, 2 * dim, bias=False)
         self.norm = nn.LayerNorm(4 * dim)
 
     def forward(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -195,11 +200,28 @@ class SwinEncoder(nn.Module):
                 h, w = (h + 1) // 2, (w + 1) // 2
         return x if self.layernorm is None else self.layernorm(x)
 
-    def load_weight(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
-        """Copies one checkpoint tensor (a name under the encoder) into its parameter; returns the
-        parameter's name, or None for a tensor recomputed here (relative_position_index)."""
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Places one checkpoint tensor (a name under the encoder) in its parameter, a linear layer
+        (query/key/value: the shard of the merged `qkv`) or a plain one; returns the parameter's
+        name, or None for a tensor recomputed here (relative_position_index)."""
         if name.endswith("relative_position_index"):
             return None
+        module_name, _, param = name.rpartition(".")
+        parent, _, child = module_name.rpartition(".")
+        modules = dict(self.named_modules())
+        merged = getattr(modules.get(parent), "ckpt_children", {}).get(child)
+        if merged is not None:
+            module_name, shard = f"{parent}.{merged}", child
+        else:
+            shard = None
+        module = modules.get(module_name)
+        if isinstance(module, Linear):
+            try:
+                module.load(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"Swin tensor {name!r}: {e}") from None
+            return f"{module_name}.{param}"
+        params = dict(self.named_parameters())
         if name not in params:
             raise ValueError(f"unexpected Swin encoder checkpoint tensor {name!r}")
         copy_checkpoint_tensor(params[name], tensor, f"Swin tensor {name!r}")

@@ -7,7 +7,7 @@ markdown) on the engine's encoder-decoder path.
   whose `num_tokens` is the encoder's output length (rows x columns of the last Swin stage). The
   decoder starts from the decoder start token, as transformers' generate does for Nougat (its
   processor's text is for training labels, not a prompt): text a request carries is ignored.
-- **Encoder** (batchful, once per request): the Swin encoder (models/swin.py) over a step's pages in
+- **Encoder** (batchful, once per request): the Swin encoder (models/nougat/swin.py) over a step's pages in
   one batch, then `enc_to_dec_proj` where the widths differ (VisionEncoderDecoderModel's rule).
 - **Decoder**: the engine's decoder (models/decoder.py) of the `mbart` family with a cross-attention
   block per layer (`DecoderCrossAttention`: the cross-attention op over the K/V stored once per
@@ -29,10 +29,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.models.decoder import DecoderForCausalLM
-from splitserve.models.encoder_image_prompt import EncoderImagePromptProcessor
-from splitserve.models.swin import SwinEncoder, swin_output_grid
+from splitserve.models.nougat.processor import NougatPromptProcessor
+from splitserve.models.nougat.swin import SwinEncoder, swin_output_grid
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class NougatForConditionalGeneration(nn.Module):
         enc, dec = config.encoder, config.decoder
         self.encoder = SwinEncoder(enc)
         if self.encoder.hidden_size != dec.d_model and getattr(dec, "cross_attention_hidden_size", None) is None:
-            self.enc_to_dec_proj = nn.Linear(self.encoder.hidden_size, dec.d_model)
+            # float and whole on every rank, as the Swin encoder before it (models/nougat/swin.py)
+            self.enc_to_dec_proj = Linear(self.encoder.hidden_size, dec.d_model, bias=True)
         else:
             self.enc_to_dec_proj = None
         self.decoder = DecoderForCausalLM(dec, quant_config, prefix="decoder.model", head_name="decoder.lm_head",
@@ -169,7 +171,6 @@ class NougatForConditionalGeneration(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        encoder_params = dict(self.encoder.named_parameters())
         own = {} if self.enc_to_dec_proj is None else dict(self.enc_to_dec_proj.named_parameters())
         loaded: set[str] = set()
 
@@ -178,33 +179,13 @@ class NougatForConditionalGeneration(nn.Module):
                 if name.startswith("decoder."):
                     yield name[len("decoder."):], tensor
                 elif name.startswith("encoder."):
-                    filled = self.encoder.load_weight(name[len("encoder."):], as_tensor(tensor), encoder_params)
+                    filled = self.encoder.load_weight(name[len("encoder."):], as_tensor(tensor))
                     if filled is not None:
                         loaded.add(f"encoder.{filled}")
                 elif name.startswith("enc_to_dec_proj.") and name[len("enc_to_dec_proj."):] in own:
-                    with torch.no_grad():
-                        own[name[len("enc_to_dec_proj."):]].copy_(as_tensor(tensor))
+                    self.enc_to_dec_proj.load(name[len("enc_to_dec_proj."):], as_tensor(tensor))
                     loaded.add(name)
                 else:
                     raise ValueError(f"unexpected Nougat checkpoint tensor {name!r}")
         loaded |= {f"decoder.{n}" for n in self.decoder.load_weights(decoder_weights())}
         return loaded
-
-
-class NougatPromptProcessor(EncoderImagePromptProcessor):
-    """One page image per request through transformers' Nougat image processor; the decoder prompt
-    is the start token. A token-id prompt marks its image with the pad id (the benchmarks' contract)."""
-    model_name = "Nougat"
-
-    def __init__(self, model, model_directory: str, tokenizer):
-        super().__init__(model, model_directory, tokenizer)
-        self.decoder_start_token_id = model.decoder_start_token_id
-        pad = getattr(model.config.decoder, "pad_token_id", None)
-        self.placeholder_id = pad if pad is not None else 1
-
-    def encoder_item(self, img, img_hash: str, text: str):
-        """The page's pixels [1, 3, H, W]; the text is not an input of Nougat."""
-        from splitserve.protocol.mm_inputs import ImageItem
-        pixels = self.image_processor(images=[img.convert("RGB")], return_tensors="pt")["pixel_values"]
-        n = self.model.num_encoder_tokens(*pixels.shape[-2:])
-        return ImageItem(img_hash, pixels.contiguous(), (img.size[1], img.size[0]), n, 0)

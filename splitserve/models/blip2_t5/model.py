@@ -11,7 +11,7 @@ the BLIP-2 vision side in front of T5 on the engine's encoder-decoder path.
   embeddings of their placeholder runs, then T5's encoder on those embeddings (`encode_embeds`):
   what transformers' generate does (masked_scatter of the projected queries into
   embed(input_ids), then the T5 encoder on inputs_embeds).
-- **Decoder**: T5's, unchanged (models/t5.py).
+- **Decoder**: T5's, unchanged (models/t5/model.py), with its quantization and tensor parallelism.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from splitserve.models.blip2 import Blip2Common, Blip2VisionSide
-from splitserve.models.t5 import T5ForConditionalGeneration
+from splitserve.models.t5.model import T5ForConditionalGeneration
 from splitserve.multimodal.processor import to_device_pixels
 
 
@@ -32,10 +32,10 @@ class Blip2T5ForConditionalGeneration(Blip2Common, nn.Module):
 
     def __init__(self, config, quant_config=None):
         super().__init__()
-        if quant_config is not None:
-            raise ValueError("quantized BLIP-2 T5 checkpoints are not supported")
         self.config = config
-        self.language_model = T5ForConditionalGeneration(config.text_config)
+        # The language model takes the quantization and its tensor-parallel part (models/t5/model.py); the
+        # vision side stays float and whole on every rank, as BLIP-2 OPT's does.
+        self.language_model = T5ForConditionalGeneration(config.text_config, quant_config, prefix="language_model.")
         self.vision_side = Blip2VisionSide(config, config.text_config.d_model)
         self.image_token_id = getattr(config, "image_token_index", None)
         self.num_query_tokens = config.num_query_tokens

@@ -1,0 +1,1 @@
+"""Nougat: the model (model.py), its Swin encoder (swin.py) and its front-side processor (processor.py)."""
