@@ -3,7 +3,8 @@
 Names follow vLLM's: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`,
 `logit_bias`, `allowed_token_ids`, `bad_words`. What can be checked without a tokenizer is checked
 here; whether a schema, regex or grammar compiles is checked by the engine's front
-(structured_output/grammar.py), which also turns `bad_words` into token ids.
+(structured_output/grammar.py), which also turns `bad_words` into token ids (carried beside the
+params, in EngineCoreRequest.bad_words_token_ids: what the front derives is not the user's).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import copy
 import functools
 import json as _json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 # OpenAI's range for logit_bias values: -100 bans a token, +100 forces it.
@@ -151,9 +152,6 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None          # never generated (as whole token sequences)
     structured_outputs: StructuredOutputsParams | None = None
-    # bad_words as token-id sequences (each word with and without a leading space): set by the
-    # engine's front, which holds the tokenizer.
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def _check(self) -> None:
         """Normalizes and validates, once, on construction (see _validated_on_init)."""

@@ -167,7 +167,7 @@ class Scheduler:
                     request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
                     num_cached, request.eos_token_ids, request.mm_items,
                     request.lora_request.lora_int_id if request.lora_request is not None else 0,
-                    request.encoder_prompt_ids, enc))
+                    request.encoder_prompt_ids, enc, request.bad_words_token_ids))
             if enc:
                 out.encoder_runs[request.request_id] = list(request.encoder_block_ids)
             budget -= n + enc

@@ -194,8 +194,6 @@ class EngineFront:
         vocab = self.config.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
             params = params.replace_valid(stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
-        if params.bad_words:
-            params = params.replace_valid(_bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -211,6 +209,7 @@ class EngineFront:
             encoder_ids, prompt_ids = self.validate_encoder(list(prompt_ids), params), [self.decoder_start_token_id]
             num_encoder_tokens = len(encoder_ids)
         total = self.validate(prompt_ids, params)
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         arrival = arrival_time or time.monotonic()
         eos = self.config.model.eos_token_ids
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
@@ -218,7 +217,7 @@ class EngineFront:
         state.num_encoder_tokens = num_encoder_tokens
         self.output_processor.add_request(state)
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
-                                              lora_request, priority, list(encoder_ids), num_encoder_tokens)
+                                              lora_request, priority, list(encoder_ids), num_encoder_tokens, bad_words)
                             for c in state.children]
 
     def validate_encoder(self, encoder_ids: list[int], params: SamplingParams) -> list[int]:

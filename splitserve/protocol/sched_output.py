@@ -49,6 +49,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_id: int = 0                   # its LoRA adapter's int id (0: none); the slot comes from lora_loads
     encoder_prompt_ids: list[int] = []  # encoder-decoder models: the encoder's token ids (T5)
     num_encoder_tokens: int = 0        # encoder positions (0: decoder-only)
+    bad_words_token_ids: list[list[int]] = []  # the front's tokenization of sampling_params.bad_words
 
 
 class ResumedRequestData(msgspec.Struct, array_like=True):

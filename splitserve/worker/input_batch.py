@@ -49,7 +49,7 @@ class CachedRequestState:
         self.min_tokens_bans = np.array(sorted({t for t in bans if t < vocab}), dtype=np.int64)
         # Its constant logit changes, as (ids, values): logit_bias, and bad words of one token (banned).
         bias = {t: v for t, v in (p.logit_bias or {}).items() if t < vocab}
-        bad_seqs = p._bad_words_token_ids or ()
+        bad_seqs = new.bad_words_token_ids
         bias.update((s[0], BANNED) for s in bad_seqs if len(s) == 1 and s[0] < vocab)
         self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias)) if bias else None
         self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias)) if bias else None
