@@ -3,13 +3,16 @@
 Names follow vLLM's: `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`,
 `logit_bias`, `allowed_token_ids`, `bad_words`. What can be checked without a tokenizer is checked
 here; whether a schema, regex or grammar compiles is checked by the engine's front
-(structured_output/grammar.py), which also turns `bad_words` into token ids.
+(structured_output/grammar.py), which also turns `bad_words` into token ids (carried beside the
+params, in EngineCoreRequest.bad_words_token_ids: what the front derives is not the user's).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json as _json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 # OpenAI's range for logit_bias values: -100 bans a token, +100 forces it.
@@ -18,6 +21,36 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_LOGPROBS = 20
 
 
+class SamplingParamsError(ValueError):
+    """A request parameter is invalid; `param` names it (the OpenAI error's `param`), so callers
+    map the error to its field as data instead of reading the field back out of the message."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickles with both arguments (ValueError's default keeps only args)
+        return type(self), (self.param, str(self))
+
+
+def _validated_on_init(cls):
+    """Runs `cls._check()` (normalize and validate) after the dataclass's generated __init__, not in
+    __post_init__: msgspec decodes a dataclass without calling __init__ (it sets the fields and calls
+    only __post_init__), so params validated once where they are built, in the engine's front, cross
+    the seams to the core and the worker without being checked again. Construction, and
+    dataclasses.replace (which calls __init__), still validate."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._check()
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_validated_on_init
 @dataclass
 class StructuredOutputsParams:
     """One output constraint (exactly one of json, regex, choice, grammar, json_object)."""
@@ -33,28 +66,31 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None  # vLLM's; not supported by the xgrammar backend
     structural_tag: str | None = None      # vLLM's; not supported
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
+        def bad(message: str) -> None:
+            raise SamplingParamsError("structured_outputs", message)
+
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {given or 'none'}")
+            bad("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}")
         if self.whitespace_pattern is not None:
-            raise ValueError("structured_outputs.whitespace_pattern is not supported (use disable_any_whitespace)")
+            bad("structured_outputs.whitespace_pattern is not supported (use disable_any_whitespace)")
         if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag is not supported")
+            bad("structured_outputs.structural_tag is not supported")
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text), "
-                             f"got {type(self.json).__name__}")
+            bad(f"structured_outputs.json must be a JSON schema (an object or its text), "
+                f"got {type(self.json).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+                bad(f"structured_outputs.{name} must be a non-empty string")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or any(not isinstance(c, str) or not c for c in self.choice)):
-                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+                bad("structured_outputs.choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
 
     @property
@@ -87,6 +123,7 @@ class StructuredOutputsParams:
                 kind == "json" and self.disable_additional_properties)
 
 
+@_validated_on_init
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -115,11 +152,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None          # never generated (as whole token sequences)
     structured_outputs: StructuredOutputsParams | None = None
-    # bad_words as token-id sequences (each word with and without a leading space): set by the
-    # engine's front, which holds the tokenizer.
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
+        """Normalizes and validates, once, on construction (see _validated_on_init)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -132,32 +167,36 @@ class SamplingParams:
             self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         if self.bad_words is not None:
             if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w for w in self.bad_words):
-                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+                raise SamplingParamsError("bad_words",
+                                          f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
         self._validate()
 
     @staticmethod
     def _normalize_logit_bias(bias) -> dict[int, float]:
         """Keys may be ints or their decimal text (OpenAI's JSON has string keys)."""
+        def bad(message: str) -> SamplingParamsError:
+            return SamplingParamsError("logit_bias", message)
+
         if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}")
+            raise bad(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}")
         out = {}
         for k, v in bias.items():
             try:
                 tid = k if isinstance(k, int) and not isinstance(k, bool) else int(str(k).strip(), 10)
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                raise bad(f"logit_bias keys must be token ids, got {k!r}") from None
             if tid < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
+                raise bad(f"logit_bias keys must be non-negative token ids, got {k!r}")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or abs(v) > LOGIT_BIAS_LIMIT:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
+                raise bad(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
             out[tid] = float(v)
         return out
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
@@ -182,8 +221,8 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}, max_tokens={self.max_tokens}")
+            raise SamplingParamsError("min_tokens", f"min_tokens must be <= max_tokens, got "
+                                      f"min_tokens={self.min_tokens}, max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -212,9 +251,19 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    def replace_valid(self, **changes) -> "SamplingParams":
+        """A copy with `changes`, not validated again: only for changes that keep valid params valid
+        (a child's n and seed, stop ids dropped, a constraint built and checked on its own). The copy
+        is shallow: params are read, never changed in place, once built. dataclasses.replace
+        validates."""
+        out = copy.copy(self)
+        for name, value in changes.items():
+            if name not in self.__dataclass_fields__:
+                raise TypeError(f"SamplingParams has no field {name!r}")
+            setattr(out, name, value)
+        return out
+
     def for_child(self, index: int) -> "SamplingParams":
-        """Params of the index-th of n parallel samples: n=1, and a distinct derived seed."""
-        seed = None if self.seed is None else self.seed + index
-        kwargs = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        kwargs.update(n=1, seed=seed)
-        return SamplingParams(**kwargs)
+        """Params of the index-th of n parallel samples: n=1, and a distinct derived seed (the
+        parent was validated; neither change can make it invalid)."""
+        return self.replace_valid(n=1, seed=None if self.seed is None else self.seed + index)

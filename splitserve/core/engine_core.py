@@ -134,7 +134,7 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
                           req.max_total_tokens, req.arrival_time, req.priority, mm_items=req.mm_items,
                           lora_request=req.lora_request, encoder_prompt_ids=req.encoder_prompt_ids,
-                          num_encoder_tokens=req.num_encoder_tokens)
+                          num_encoder_tokens=req.num_encoder_tokens, bad_words_token_ids=req.bad_words_token_ids)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.lora_request is not None:

@@ -82,6 +82,9 @@ class Request:
     encoder_prompt_ids: list[int] = field(default_factory=list)
     num_encoder_tokens: int = 0
     encoder_block_ids: list[int] = field(default_factory=list)
+    # sampling_params.bad_words as token ids (the front's EngineCoreRequest.bad_words_token_ids),
+    # passed on to the worker with NewRequestData.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     _encoder_hash: int | None = None
 

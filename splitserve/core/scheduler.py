@@ -165,18 +165,21 @@ class Scheduler:
                 request.in_worker = True
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
-                    num_cached, request.eos_token_ids, request.mm_items,
+                    # announced: the worker holds its images already (their pixels cross once)
+                    num_cached, request.eos_token_ids, () if request.mm_announced else request.mm_items,
+                    request.mm_announced,
                     request.lora_request.lora_int_id if request.lora_request is not None else 0,
-                    request.encoder_prompt_ids, enc))
+                    request.encoder_prompt_ids, enc, request.bad_words_token_ids))
             if enc:
                 out.encoder_runs[request.request_id] = list(request.encoder_block_ids)
             budget -= n + enc
         self.waiting.extendleft(reversed(compiling))
-        self._announce_images(out)
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         out.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
+        if not out.is_empty or out.has_removals:  # only a message the worker gets may announce:
+            self._announce_images(out)            # a new request may name its announced images
         if self.lora is not None:
             out.lora_loads = self.lora.take_loads()
         if scheduled:
@@ -320,6 +323,10 @@ class Scheduler:
         if not launched:
             self._finished_ids[:0] = out.finished_req_ids
             self._preempted_ids[:0] = out.preempted_req_ids
+            for rid in out.mm_prefetch:  # lost with the message: announced again, with the pixels
+                request = self.requests.get(rid)
+                if request is not None and not request.in_worker:
+                    request.mm_announced = False
         return failed
 
     def forget_steps(self) -> None:

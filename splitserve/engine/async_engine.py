@@ -27,7 +27,7 @@ import zmq
 from splitserve.protocol.core_messages import (AbortRequests, AddRequests, Codec, CoreToFront, CoreReady, EngineCoreOutputs,
                                         FrontToCore, SchedulerStats, Shutdown)
 from splitserve.engine.output_processor import RequestOutput
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +301,9 @@ class AsyncLLMEngine:
         if self.max_queued_requests is not None:
             most = self.max_queued_requests + self._max_running  # even an idle engine takes no more
             if params.n > most:
-                raise ValueError(f"n must be <= {most} on this server (--max-queued-requests "
-                                 f"{self.max_queued_requests} + --max-num-seqs {self._max_running}), got {params.n}")
+                raise SamplingParamsError("n", f"n must be <= {most} on this server (--max-queued-requests "
+                                               f"{self.max_queued_requests} + --max-num-seqs {self._max_running}), "
+                                               f"got {params.n}")
             if self._queued_with(params.n) > self.max_queued_requests:
                 raise EngineOverloadedError(
                     f"the server is overloaded: {self.num_queued} requests are already waiting "

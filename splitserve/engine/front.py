@@ -18,7 +18,7 @@ from splitserve.config import EngineConfig
 from splitserve.protocol.core_messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
 from splitserve.models.resolve import load_serving_tokenizer
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams, SamplingParamsError
 from splitserve.tokenize_parallel import encode_text
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class EngineFront:
         k = params.truncate_prompt_tokens if params is not None else None
         if hasattr(prompt, "mm_items"):
             if k is not None:
-                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+                raise SamplingParamsError("truncate_prompt_tokens",
+                                          "truncate_prompt_tokens cannot cut a prompt with images")
             return prompt  # a MultiModalPrompt: expanded ids that carry their images along
         if isinstance(prompt, str):
             if not prompt:
@@ -115,17 +116,18 @@ class EngineFront:
         """The last k tokens (vLLM's truncate_prompt_tokens; -1: the model's context)."""
         limit = self.config.model.max_model_len
         if k > limit:
-            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({limit}); "
-                             f"choose a smaller truncation size")
+            raise SamplingParamsError("truncate_prompt_tokens", f"truncate_prompt_tokens ({k}) is greater than "
+                                      f"max_model_len ({limit}); choose a smaller truncation size")
         k = limit if k == -1 else k
         return ids[-k:] if len(ids) > k else ids
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise SamplingParamsError("priority", f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduler.policy != "priority":
-            raise ValueError(f"priority {priority} needs the priority scheduling policy "
-                             f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}")
+            raise SamplingParamsError("priority", f"priority {priority} needs the priority scheduling policy "
+                                      f"(--scheduling-policy priority); this engine runs "
+                                      f"{self.config.scheduler.policy}")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Checks a tokenized request against the model and cache; returns its total-token cap."""
@@ -143,10 +145,12 @@ class EngineFront:
         self._validate_token_params(params, vocab)
         if params.prompt_logprobs is not None and self.world_size > 1:
             # The rank workers (executor/rank_worker.py) do not compute them yet: refuse, never drop.
-            raise ValueError(f"prompt_logprobs is not supported yet with several ranks (world size {self.world_size})")
+            raise SamplingParamsError("prompt_logprobs", f"prompt_logprobs is not supported yet with several ranks "
+                                                         f"(world size {self.world_size})")
         if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                             f"tokens exceeds the model's context of {limit} tokens")
+            raise SamplingParamsError("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                                                    f"{n + params.max_tokens} tokens exceeds the model's context of "
+                                                    f"{limit} tokens")
         total = limit if params.max_tokens is None else n + params.max_tokens
         need = n + (params.max_tokens or 1)  # without max_tokens, output is capped by the cache instead
         if need > self.kv_capacity_tokens:
@@ -160,7 +164,8 @@ class EngineFront:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+                raise SamplingParamsError(name, f"{name} holds token ids outside the vocabulary [0, {vocab}): "
+                                                f"{bad[:5]}")
         if params.structured_outputs is not None:
             from splitserve.structured_output.grammar import check_structured_outputs
             check_structured_outputs(params.structured_outputs)  # cached by schema: a repeat costs nothing
@@ -188,9 +193,7 @@ class EngineFront:
             self.loras.check(lora_request)
         vocab = self.config.model.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # never sampled: dropping them changes nothing
-            params = dataclasses.replace(params, stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
-        if params.bad_words:
-            params = dataclasses.replace(params, _bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+            params = params.replace_valid(stop_token_ids=[t for t in params.stop_token_ids if t < vocab])
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -206,6 +209,7 @@ class EngineFront:
             encoder_ids, prompt_ids = self.validate_encoder(list(prompt_ids), params), [self.decoder_start_token_id]
             num_encoder_tokens = len(encoder_ids)
         total = self.validate(prompt_ids, params)
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         arrival = arrival_time or time.monotonic()
         eos = self.config.model.eos_token_ids
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, list(prompt_ids), params,
@@ -213,7 +217,7 @@ class EngineFront:
         state.num_encoder_tokens = num_encoder_tokens
         self.output_processor.add_request(state)
         return request_id, [EngineCoreRequest(c.request_id, list(prompt_ids), c.params, eos, total, arrival, mm_items,
-                                              lora_request, priority, list(encoder_ids), num_encoder_tokens)
+                                              lora_request, priority, list(encoder_ids), num_encoder_tokens, bad_words)
                             for c in state.children]
 
     def validate_encoder(self, encoder_ids: list[int], params: SamplingParams) -> list[int]:

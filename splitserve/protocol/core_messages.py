@@ -32,6 +32,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # prompt_token_ids are then the decoder's (its start token).
     encoder_prompt_ids: list[int] = []
     num_encoder_tokens: int = 0
+    # sampling_params.bad_words as token-id sequences (each word with and without a leading space),
+    # made by the front, which holds the tokenizer; the worker bans them (worker/input_batch.py).
+    bad_words_token_ids: list[list[int]] = []
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True):

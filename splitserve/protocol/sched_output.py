@@ -12,6 +12,10 @@ processes (protocol.core_messages.Codec handles the image tensors of multimodal 
 
 Images of waiting requests are announced once (`mm_prefetch`), before their admission, so the
 worker may encode them ahead; a request aborted while waiting after that is reported finished too.
+The worker keeps what was announced until the request arrives as new (`NewRequestData.mm_prefetched`:
+its items are not sent again) or is reported finished. So announcements go only in messages the
+worker gets (a step that runs something or carries removals), and a message that failed to reach it
+has its announcements made again.
 
 Resumption: a preempted request stays known to the worker (its tokens, its seeded generator), out of
 the batch. When it is scheduled again, `ResumedRequestData` gives its new block table (replacing the
@@ -46,9 +50,13 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int = 0       # prefix-cache hits at admission
     eos_token_ids: tuple[int, ...] = ()  # banned while under min_tokens (unless ignore_eos)
     mm_items: tuple[ImageItem, ...] = ()
+    # Its images were announced in an earlier message's mm_prefetch (under this req_id): mm_items is
+    # then empty and the worker takes the items it already holds, so each image's pixels cross once.
+    mm_prefetched: bool = False
     lora_id: int = 0                   # its LoRA adapter's int id (0: none); the slot comes from lora_loads
     encoder_prompt_ids: list[int] = []  # encoder-decoder models: the encoder's token ids (T5)
     num_encoder_tokens: int = 0        # encoder positions (0: decoder-only)
+    bad_words_token_ids: list[list[int]] = []  # the front's tokenization of sampling_params.bad_words
 
 
 class ResumedRequestData(msgspec.Struct, array_like=True):

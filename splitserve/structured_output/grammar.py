@@ -12,7 +12,7 @@ import json
 import re
 from functools import lru_cache
 
-from splitserve.sampling_params import StructuredOutputsParams
+from splitserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 # xgrammar's messages start with a timestamp and a C++ source location: "[05:19:31] /project/cpp/
 # regex_converter.cc:83: Regex parsing error ..."; the reason is what follows.
@@ -70,5 +70,5 @@ def check_structured_outputs(params: StructuredOutputsParams) -> tuple:
     key = params.key()  # raises for a json schema that is not JSON
     reason = _check_key(key)
     if reason is not None:
-        raise ValueError(f"structured_outputs: invalid {_FIELD[key[0]]}: {reason}")
+        raise SamplingParamsError("structured_outputs", f"structured_outputs: invalid {_FIELD[key[0]]}: {reason}")
     return key

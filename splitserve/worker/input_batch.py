@@ -40,7 +40,7 @@ class CachedRequestState:
         self.output_token_ids: list[int] = []   # every token this worker sampled for it, in order
         self.sampling_params = new.sampling_params
         self.eos_token_ids = new.eos_token_ids
-        self.mm_items = new.mm_items
+        self.mm_items = batch.take_mm_items(new)
         self.lora_id = new.lora_id
         p = new.sampling_params
         vocab = batch.vocab_size
@@ -49,7 +49,7 @@ class CachedRequestState:
         self.min_tokens_bans = np.array(sorted({t for t in bans if t < vocab}), dtype=np.int64)
         # Its constant logit changes, as (ids, values): logit_bias, and bad words of one token (banned).
         bias = {t: v for t, v in (p.logit_bias or {}).items() if t < vocab}
-        bad_seqs = p._bad_words_token_ids or ()
+        bad_seqs = new.bad_words_token_ids
         bias.update((s[0], BANNED) for s in bad_seqs if len(s) == 1 and s[0] < vocab)
         self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias)) if bias else None
         self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias)) if bias else None
@@ -119,6 +119,9 @@ class InputBatch:
         self.has_bad_seqs = np.zeros(R, dtype=bool)
 
         self.states: dict[str, CachedRequestState] = {}  # every request held, in the batch or preempted
+        # Images announced for waiting requests (SchedulerOutput.mm_prefetch), by request id, until the
+        # request arrives as new (its NewRequestData then carries no pixels) or is reported finished.
+        self.announced_mm: dict[str, tuple] = {}
         self.row_of: dict[str, int] = {}                  # requests in the batch -> row
         self.row_states: list[CachedRequestState | None] = [None] * R
         self._free_rows = list(range(R))                  # a heap: the lowest free row first
@@ -129,9 +132,20 @@ class InputBatch:
         return len(self.row_of)
 
     # -- the step message's deltas -----------------------------------------------------------------
+    def take_mm_items(self, new: NewRequestData) -> tuple:
+        """A new request's images: sent with it, or (mm_prefetched) announced earlier and kept here."""
+        if not new.mm_prefetched:
+            return new.mm_items
+        items = self.announced_mm.pop(new.req_id, None)
+        if items is None:
+            raise RuntimeError(f"request {new.req_id!r} names images announced earlier, but none were")
+        return items
+
     def update(self, sched: SchedulerOutput) -> None:
-        """Applies a message's deltas: removals first, then new and resumed requests, then blocks."""
+        """Applies a message's deltas: removals first, then new and resumed requests, then blocks;
+        then the images it announces (kept until their request arrives as new or finishes)."""
         for rid in sched.finished_req_ids:
+            self.announced_mm.pop(rid, None)
             state = self.states.pop(rid, None)
             if state is not None and state.row >= 0:
                 self._vacate(state)
@@ -157,6 +171,8 @@ class InputBatch:
             n = int(self.num_blocks[row])
             self.block_table[row, n:n + len(block_ids)] = block_ids
             self.num_blocks[row] = n + len(block_ids)
+        if sched.mm_prefetch:
+            self.announced_mm.update(sched.mm_prefetch)
 
     def _place(self, state: CachedRequestState, block_ids: list[int], num_computed: int) -> None:
         if not self._free_rows:

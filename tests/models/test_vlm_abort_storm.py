@@ -130,5 +130,6 @@ def test_vlm_abort_storm_under_preemption(model_dir, workload, async_scheduling)
     assert mm.cache.num_pinned() == 0 and mm.cache.is_whole()
     assert mm.cache.num_tokens <= ENCODER_TOKENS
     assert not mm.pending and not mm.announced  # nothing announced is left waiting or reserved
+    assert not engine.runner.input_batch.announced_mm  # nor the announced images the worker kept
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.states and not engine.front.output_processor.children and engine.core._inflight is None

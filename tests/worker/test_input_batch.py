@@ -160,11 +160,10 @@ def test_sampling_metadata_logit_changes_are_flat_arrays():
     list each; a bad word of several tokens bans its last token only right after its first ones."""
     ib = InputBatch(4, 32, 4, vocab_size=100)
     bad = SamplingParams(max_tokens=50, temperature=0, bad_words=["x"])
-    bad._bad_words_token_ids = [[7], [20, 21, 22]]  # what the front makes of the words
     ib.update(msg(new_requests=[
         new("b", [1], [0], temperature=0, logit_bias={5: -100, 6: 2.5, 150: 1}),
         new("a", [1], [1], temperature=0, allowed_token_ids=[3, 4, 200]),
-        NewRequestData("w", [1], bad, [2], 0, (EOS,)),
+        NewRequestData("w", [1], bad, [2], 0, (EOS,), bad_words_token_ids=[[7], [20, 21, 22]]),  # the front's
         new("m", [1], [3], temperature=0, min_tokens=3, logit_bias={8: 1})]))
     order = {"b": 1, "a": 1, "w": 1, "m": 1}
     states = launch(ib, order, 0)
@@ -180,6 +179,34 @@ def test_sampling_metadata_logit_changes_are_flat_arrays():
     meta = build_sampling_metadata(ib, rows, states, np.array([1, 1, 3, 3]), torch.device("cpu"))
     triples = sorted(zip(meta.bias_rows.tolist(), meta.bias_token_ids.tolist(), meta.bias_values.tolist()))
     assert triples == [(0, 5, -100.0), (0, 6, 2.5), (2, 7, inf), (2, 22, inf), (3, 8, 1.0)]
+
+
+def test_bad_words_ride_beside_the_params_from_the_front_to_the_worker():
+    """The front's tokenization of bad_words travels in EngineCoreRequest, the core's Request and
+    NewRequestData, never inside the user's SamplingParams."""
+    from splitserve.config import SchedulerConfig
+    from splitserve.core.kv_cache_manager import KVCacheManager
+    from splitserve.core.request import Request
+    from splitserve.core.scheduler import Scheduler
+    from splitserve.protocol.core_messages import AddRequests, Codec, FrontToCore
+    from tests.engine.test_async_engine import FakeFront
+
+    front = FakeFront(8)
+    front.world_size, front.loras = 1, None
+    params = SamplingParams(n=2, max_tokens=5, bad_words=["ab"])
+    _, sent = front.new_request("r", [1, 2, 3], params)
+    words = [[97, 98], [32, 97, 98]]  # "ab" and " ab" by the fake tokenizer
+    assert [r.bad_words_token_ids for r in sent] == [words, words]
+    assert all(not hasattr(r.sampling_params, "_bad_words_token_ids") for r in sent)
+    sched = Scheduler(SchedulerConfig(8, 100), KVCacheManager(20, 4, False))
+    for r in Codec(FrontToCore).decode(Codec(FrontToCore).encode(AddRequests(sent))).requests:
+        sched.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
+                                  r.max_total_tokens, bad_words_token_ids=r.bad_words_token_ids))
+    out = sched.schedule()
+    assert [n.bad_words_token_ids for n in out.new_requests] == [words, words]
+    ib = InputBatch(4, 32, 4, vocab_size=100)
+    ib.update(out)
+    assert [ib.states[r.request_id].bad_word_seqs for r in sent] == [((97, 98), (32, 97, 98))] * 2
 
 
 def test_sampling_metadata_places_grammar_masks_on_their_sampling_rows():

@@ -6,7 +6,8 @@ Structured outputs come as OpenAI's `response_format` (json_object, json_schema)
 `structured_outputs` object, or as its older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar` fields; one request may use one of them. Unknown fields are ignored, as
 OpenAI clients send fields that a server may not know. Types are checked here; ranges are checked by
-SamplingParams, whose errors name the field, so there is one source of truth for what is valid.
+SamplingParams, whose errors (SamplingParamsError) carry the field, so there is one source of truth for
+what is valid.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic.types import FailFast
 
 from splitserve.models.generation_config import apply_defaults
-from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 # n fans a request out into n sequences; a cap keeps one request from flooding the engine.
 MAX_N = 128
@@ -226,10 +227,10 @@ class _SamplingRequest(_Request):
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self._structured_outputs())
-        except ValueError as e:
-            message = str(e)
-            param = message.split(" ", 1)[0]
-            raise APIError(400, message, param=param if param.isidentifier() else None) from None
+        except SamplingParamsError as e:  # every check of SamplingParams names its field
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:  # not expected: a 400 that names no field rather than a 500
+            raise APIError(400, str(e)) from None
 
     @property
     def include_usage(self) -> bool:

@@ -34,7 +34,7 @@ from splitserve.entrypoints.openai.sse import event_stream_response, sse as _sse
 from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_messages_prompt, chat_image_sources
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES, VIDEO_MARKER, VIDEO_PART_TYPES
-from splitserve.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams, SamplingParamsError
 from splitserve.tokenize_parallel import can_cut, encode_text
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,6 @@ RETRY_AFTER_S = 1
 # tokenizers release the GIL while encoding); short ones stay on the loop, where they cost less than
 # the hop to a thread.
 _INLINE_TEXT_CHARS = 1024
-# Request fields whose errors the engine reports with the field's name first.
-_PARAM_ERRORS = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids", "bad_words", "priority",
-                           "truncate_prompt_tokens", "prompt_logprobs"})
 _TOKENIZE_WORKERS = 4
 # apply_chat_template arguments that change how it tokenizes: a chat_template_kwargs naming one keeps
 # the template's own tokenization instead of rendering here and tokenizing with encode_text.
@@ -239,16 +236,10 @@ class OpenAIServing:
             raise overloaded(str(e)) from None
         except EngineShutdownError as e:
             raise overloaded(str(e)) from None
-        except ValueError as e:
-            message = str(e)
-            first = message.split(" ", 1)[0].rstrip(":.")
-            if message.startswith("n must"):
-                param = "n"
-            elif first in _PARAM_ERRORS:
-                param = first
-            elif "max_tokens" in message:
-                param = "max_tokens"
-            raise APIError(400, message, param=param) from None
+        except SamplingParamsError as e:  # a parameter the front found wrong names itself
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:  # the prompt (its length, ids, images), a reused id: the prompt's field
+            raise APIError(400, str(e), param=param) from None
         if lora_request is not None and self.on_lora_request is not None:
             self.on_lora_request(lora_request.lora_name)
         return stream

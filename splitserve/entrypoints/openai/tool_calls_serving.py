@@ -6,7 +6,6 @@ function.name (arguments ""), then pieces of function.arguments text.
 """
 from __future__ import annotations
 
-import dataclasses
 
 from splitserve.entrypoints.openai.protocol import (APIError, ChatMessageOut, DeltaFunctionCall, DeltaMessage,
                                                     DeltaToolCall, FunctionCallOut, ToolCallOut)
@@ -32,10 +31,10 @@ def constrain(plan: ToolPlan | None, params: SamplingParams, parser: str | None)
                                 f"with response_format or another structured output constraint", param="tool_choice")
         # Compact JSON: free whitespace only costs tokens (small models pad with runs of newlines).
         so = StructuredOutputsParams(json=plan.schema(), disable_any_whitespace=True)
-        return dataclasses.replace(params, structured_outputs=so)
+        return params.replace_valid(structured_outputs=so)  # so was checked when built
     if reads_calls(plan, parser) and get_tool_parser(parser).needs_special_tokens:
         # The format's markers are special tokens: the text must keep them for the parser to see.
-        return dataclasses.replace(params, skip_special_tokens=False)
+        return params.replace_valid(skip_special_tokens=False)
     return params
 
 
