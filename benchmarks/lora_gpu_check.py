@@ -262,7 +262,7 @@ def engine_check(tokenizer_dir: str, dtype: str, new_tokens: int) -> None:
             ops.use_kernels_for = lambda out: False
         try:
             llm = LLM(path, enforce_eager=enforce_eager, **common, **(lora_args if lora else {}))
-            runner = llm.engine.core.runner
+            runner = llm.engine.runner
             paths = {"decode+lora": 0, "decode": 0, "piecewise": 0, "eager": 0}
             if runner.graphs is not None:
                 run_decode, run_pw, forward = runner.graphs.run, runner.piecewise.run, runner.model.forward

@@ -116,7 +116,7 @@ def test_abort_storm_under_preemption(setup):
     for i, rid in enumerate(ids):
         if rid not in aborted:
             assert finished[rid].outputs[0].token_ids == reference(setup, *cases[i], new_tokens=20)[0], rid
-    assert engine.kv_manager.pool.is_whole() and not engine.core.runner.encdec.inputs
+    assert engine.kv_manager.pool.is_whole() and not engine.runner.encdec.inputs
     assert not engine.scheduler.requests and not engine.states
 
 

@@ -41,7 +41,7 @@ def runs():
     fp8_llm = LLM(cpu_kv_cache_gib=0.25, kv_cache_dtype="fp8")
     fp8 = fp8_llm.generate(prompts, PARAMS, use_tqdm=False)
     blocks.append(fp8_llm.engine.core.num_blocks)
-    assert all(c.dtype == torch.float8_e4m3fn for c in fp8_llm.engine.core.runner.kv_caches)
+    assert all(c.dtype == torch.float8_e4m3fn for c in fp8_llm.engine.runner.kv_caches)
     assert fp8_llm.engine.kv_manager.pool.is_whole()
     return prompts, ref, fp8, blocks
 

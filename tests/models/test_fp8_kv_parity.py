@@ -56,7 +56,7 @@ def _run(path, prompts, **kwargs):
 def test_fp8_cache_with_checkpoint_scales_matches_transformers(checkpoint):
     path, prompts = checkpoint
     llm, got = _run(path, prompts, kv_cache_dtype="fp8")
-    layers = llm.engine.core.model.layers
+    layers = llm.engine.runner.model.layers
     loaded = [s.item() for layer in layers for s in (layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale)]
     assert loaded == pytest.approx([*SCALES[0], *SCALES[1]], rel=1e-7)
     hf = _hf(path, e4m3_kv_attention(SCALES))

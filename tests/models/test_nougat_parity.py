@@ -93,7 +93,7 @@ def test_preemption_and_aborts(nougat_dir):
     for i in range(5):
         assert finished[ids[i]].outputs[0].token_ids == hf_greedy(hf, processor, pages[i], 2 * NEW_TOKENS)[0], i
     assert ids[5] not in finished
-    assert engine.kv_manager.pool.is_whole() and not engine.core.runner.encdec.inputs
+    assert engine.kv_manager.pool.is_whole() and not engine.runner.encdec.inputs
 
 
 def test_unsupported_encoder_decoder_pairs_are_refused():

@@ -91,7 +91,7 @@ def test_online_fp8_engine_stays_with_the_reference(llm, hf_reference_fp8):
     FP8 vs float differs by mean 0.09, max 1.2). A wrong scale or layout is far outside that."""
     assert llm.engine.config.model.quantization == \
         "fp8: FP8 per-channel weights, dynamic per-token activations (quantized at load)"
-    qkv = llm.engine.core.model.layers[0].self_attn.qkv_proj
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.out_features,)
     prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0),

@@ -83,4 +83,4 @@ def test_deplot_preemption_and_aborts(deplot_dir):
     for i in range(5):
         assert finished[ids[i]].outputs[0].token_ids == hf_greedy(hf, processor, charts[i], DEPLOT_PROMPT)[0], i
     assert ids[5] not in finished
-    assert engine.kv_manager.pool.is_whole() and not engine.core.runner.encdec.inputs
+    assert engine.kv_manager.pool.is_whole() and not engine.runner.encdec.inputs

@@ -67,11 +67,11 @@ def test_compressed_tensors_checkpoint_matches_transformers(preset, checkpoints,
     llm = LLM(path, num_blocks=64, max_num_batched_tokens=64)
     label, params = PRESETS[preset]
     assert llm.engine.config.model.quantization == f"compressed-tensors: {label}"
-    layer = llm.engine.core.model.layers[0]
+    layer = llm.engine.runner.model.layers[0]
     qkv = layer.self_attn.qkv_proj
     assert {n for n, _ in qkv.named_parameters()} == params
     assert qkv.weight.dtype == (torch.int8 if preset == "W8A8" else torch.float8_e4m3fn)
-    assert llm.engine.core.model.lm_head.weight.dtype == torch.float32  # ignored by the recipe
+    assert llm.engine.runner.model.lm_head.weight.dtype == torch.float32  # ignored by the recipe
     if preset == "FP8":
         # per-tensor scales of q, k and v differ; each shard keeps its own (spread per channel)
         q, k, v = qkv.split(qkv.weight_scale)
@@ -85,7 +85,7 @@ def test_deepseek_style_block_fp8_checkpoint(checkpoints, tokenizer, tmp_path):
     path = to_deepseek_fp8(ct, str(tmp_path / "deepseek"))
     llm = LLM(path, num_blocks=64, max_num_batched_tokens=64)
     assert llm.engine.config.model.quantization.startswith("fp8: FP8 128x128-block weights")
-    assert "weight_scale_inv" in dict(llm.engine.core.model.layers[0].mlp.gate_up_proj.named_parameters())
+    assert "weight_scale_inv" in dict(llm.engine.runner.model.layers[0].mlp.gate_up_proj.named_parameters())
     assert_matches_hf(llm, hf_model(ct), random_prompts(len(tokenizer), 4, seed=2))
 
 
@@ -121,7 +121,7 @@ def test_random_weights_fill_quantized_storage(preset, checkpoints):
     """Benchmarks run quantized formats without their weights: each method draws its own storage
     and scales (a float N(0, 0.02) quantized as the format does)."""
     llm = LLM(checkpoints[preset], random_weights=True, num_blocks=16)
-    down = llm.engine.core.model.layers[1].mlp.down_proj
+    down = llm.engine.runner.model.layers[1].mlp.down_proj
     scale = down.weight_scale
     assert torch.isfinite(scale).all() and (scale > 0).all() and scale.max() < 1
     assert down.weight.float().abs().max() > 10  # the quantized range is used
@@ -133,6 +133,6 @@ def test_online_fp8_with_random_weights(tmp_path, tokenizer):
     from tests.hf_reference import make_tiny_llama_dir
     path = make_tiny_llama_dir(tmp_path / "float", tokenizer, num_kv_heads=2, tie=False)
     llm = LLM(path, random_weights=True, quantization="fp8", num_blocks=16)
-    qkv = llm.engine.core.model.layers[0].self_attn.qkv_proj
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and (qkv.weight_scale > 0).all()
     assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3

@@ -46,7 +46,7 @@ def test_fp8_llava_language_model_quantized_vision_float(tmp_path):
 
     llm = LLM(path, num_blocks=128, max_num_batched_tokens=48)
     assert llm.engine.config.model.quantization.startswith("compressed-tensors: FP8 per-channel weights")
-    vlm = llm.engine.core.model
+    vlm = llm.engine.runner.model
     assert vlm.language_model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert vlm.vision_tower.encoder.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     assert not vlm.vision_tower.encoder.layers[0].self_attn.qkv_proj.is_quantized

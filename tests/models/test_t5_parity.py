@@ -82,7 +82,7 @@ def test_t5_preemption_and_abort_storm(t5_dir, tokenizer, async_scheduling):
     assert_like_hf(hf, [prompts[i] for i in survivors], [finished[ids[i]] for i in survivors], NEW_TOKENS)
     assert engine.kv_manager.pool.is_whole()
     assert not engine.scheduler.requests and not engine.states
-    assert not engine.core.runner.encdec.inputs  # the worker dropped every encoder input
+    assert not engine.runner.encdec.inputs  # the worker dropped every encoder input
 
 
 def test_t5_bad_input_is_a_clear_error(t5_dir):

@@ -40,7 +40,7 @@ def assert_matches(llm, ref, prompts):
 
 def check_layers(llm, bits, group, zeros: bool, act_order: bool):
     """Every shard layout was converted to the canonical layout with the expected parts."""
-    model = llm.engine.core.model
+    model = llm.engine.runner.model
     layer = model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         names = {n for n, _ in lin.named_parameters()}
