@@ -30,10 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.quant_kernels import graph_ms  # noqa: E402
 from splitserve.layers.activation import silu_and_mul  # noqa: E402
-from splitserve.layers.quant_kernels import act_quant as A  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels.fp8_gemm import quantize_fp8_per_token  # noqa: E402
-from splitserve.layers.quant_kernels.int8_gemm import quantize_int8_per_token  # noqa: E402
+from splitserve.kernels.gemm import act_quant as A  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8.fp8_gemm import quantize_fp8_per_token  # noqa: E402
+from splitserve.kernels.gemm.int8.int8_gemm import quantize_int8_per_token  # noqa: E402
 
 KINDS = {"fp8": (torch.float8_e4m3fn, quantize_fp8_per_token), "int8": (torch.int8, quantize_int8_per_token)}
 GRAPH_BYTES = 256 << 20

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from splitserve.attention.backend import AttentionMetadata
-from splitserve.attention.ops import paged_attention as pa
+from splitserve.kernels.attention import paged_attention as pa
 from splitserve.attention.torch_ref import paged_attention_ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -44,7 +44,7 @@ from triton.runtime.errors import OutOfResources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from splitserve.layers.quant_kernels import int8_gemm as G  # noqa: E402
+from splitserve.kernels.gemm.int8 import int8_gemm as G  # noqa: E402
 from splitserve.layers.quantization import ops  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)

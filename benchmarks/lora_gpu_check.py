@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from splitserve.lora import ops  # noqa: E402
-from splitserve.lora.ops import LoRALayout, fill_layout, lora_add_impl, lora_add_ref  # noqa: E402
+from splitserve.kernels.lora import lora_add as ops  # noqa: E402
+from splitserve.kernels.lora.lora_add import LoRALayout, fill_layout, lora_add_impl, lora_add_ref  # noqa: E402
 
 rows: list[tuple[str, str, str]] = []  # (check, result, PASS / FAIL / info)
 DEVICE = "cuda"

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from splitserve.lora import kernels  # noqa: E402
-from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_ref, max_tiles  # noqa: E402
+from splitserve.kernels.lora import shrink_expand as kernels  # noqa: E402
+from splitserve.kernels.lora.lora_add import TILE, LoRALayout, fill_layout, lora_add_ref, max_tiles  # noqa: E402
 
 H, KV, INTER, R, S, LAYERS = 4096, 1024, 14336, 16, 16, 32
 SHAPES = {"qkv": (H, [H, KV, KV]), "o": (H, [H]), "gate_up": (H, [INTER, INTER]), "down": (INTER, [H])}

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from splitserve.layers.quant_kernels import fp8_gemm as FP8  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as WNA  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemv as GEMV  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as WNA  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemv as GEMV  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 LM_HEAD = (4096, 128256)
@@ -218,7 +218,7 @@ def linear_act(M: int) -> str:
 
 
 def check(ms_list) -> int:
-    from splitserve.layers.quant_kernels import wna16_layout as L
+    from splitserve.kernels.gemm.wna16 import wna16_layout as L
     fails = 0
 
     def report(what, err, tol=4e-3):

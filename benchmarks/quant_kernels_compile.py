@@ -159,9 +159,9 @@ def main() -> None:
     args = ap.parse_args()
     compiled: list = []
     install_fake_sm90_driver(compiled)
-    from splitserve.layers.quant_kernels import fp8_gemm as FP8
-    from splitserve.layers.quant_kernels import wna16_gemm as WNA
-    from splitserve.layers.quant_kernels import wna16_gemv as GEMV
+    from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8
+    from splitserve.kernels.gemm.wna16 import wna16_gemm as WNA
+    from splitserve.kernels.gemm.wna16 import wna16_gemv as GEMV
 
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     jobs = []

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as WNA  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_tiled as T  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_wgmma as WG  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as WNA  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_tiled as T  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_wgmma as WG  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
@@ -97,7 +97,7 @@ def family(name: str) -> str:
 def check(fam: str) -> list[str]:
     """The check of one kernel family (run in its own process: a kernel that faults takes only its
     family's check down). Returns the variant / default names that failed."""
-    from splitserve.layers.quant_kernels import wna16_layout as L
+    from splitserve.kernels.gemm.wna16 import wna16_layout as L
     sys.path.insert(0, ROOT)
     fails = 0
     failed: set[str] = set()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.attention.cross_ref import CrossAttentionMetadata, cross_attention_padded, store_cross_kv_ref
+from splitserve.kernels.attention.cross_ref import CrossAttentionMetadata, cross_attention_padded, store_cross_kv_ref
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: stores saturate there

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.lora import ops  # noqa: F401  (registers splitserve::lora_add_)
+from splitserve.kernels.lora import lora_add as ops  # noqa: F401  (registers splitserve::lora_add_)
 from splitserve.lora.adapter import LoRAAdapter
-from splitserve.lora.ops import LoRALayout
+from splitserve.kernels.lora.lora_add import LoRALayout
 
 
 class LoRAState:

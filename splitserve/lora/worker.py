@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from splitserve.lora.layers import LoRAModel
-from splitserve.lora.ops import LoRALayout, fill_layout
+from splitserve.kernels.lora.lora_add import LoRALayout, fill_layout
 
 
 class LoRAWorker:

@@ -10,7 +10,7 @@ from tests import triton_interpreter_shims
 triton_interpreter_shims.install()  # the Triton backend's kernels run in the interpreter on CPU
 
 from splitserve.attention.backend import AttentionBackend, AttentionMetadata  # noqa: E402
-from splitserve.attention.cross_ref import (  # noqa: E402
+from splitserve.kernels.attention.cross_ref import (  # noqa: E402
     CrossAttentionMetadata, cross_attention_padded, cross_attention_ref, encoder_slots)
 from splitserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 

@@ -18,10 +18,10 @@ from tests.quant_reference import random_quantized_weights
 triton_interpreter_shims.install()
 
 from splitserve.layers.activation import silu_and_mul  # noqa: E402
-from splitserve.layers.quant_kernels import act_quant as A  # noqa: E402
-from splitserve.layers.quant_kernels import fp8_gemm as F8  # noqa: E402
-from splitserve.layers.quant_kernels import int8_gemm as I8  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
+from splitserve.kernels.gemm import act_quant as A  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as F8  # noqa: E402
+from splitserve.kernels.gemm.int8 import int8_gemm as I8  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
 from splitserve.layers.quantization import ops  # noqa: E402
 from splitserve.layers.quantization.base import QuantConfig  # noqa: E402
 from splitserve.layers.quantization.fp8 import Fp8Config  # noqa: E402
@@ -230,7 +230,7 @@ def test_gated_mlp_fuses_silu_into_the_down_projection(kind, gen):
 
 def test_gated_mlp_keeps_the_activation_for_lora_and_cpu_emulation(gen):
     from splitserve.lora.layers import LoRALinear, LoRAState
-    from splitserve.lora.ops import LoRALayout
+    from splitserve.kernels.lora.lora_add import LoRALayout
     torch._dynamo.reset()
     mlp = gated_mlp(Fp8Config.online())
     x = torch.randn(9, 64, generator=gen, device=DEVICE, dtype=torch.bfloat16)

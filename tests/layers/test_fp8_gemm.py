@@ -12,8 +12,8 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import fp8_gemm as F  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as F  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn

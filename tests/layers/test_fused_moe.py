@@ -14,8 +14,8 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.moe import fused_moe as FM  # noqa: E402
-from splitserve.layers.moe.reference import align_pairs_ref, fused_moe_ref  # noqa: E402
+from splitserve.kernels.moe import fused_moe as FM  # noqa: E402
+from splitserve.kernels.moe.reference import align_pairs_ref, fused_moe_ref  # noqa: E402
 from splitserve.layers.moe.router import topk_route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,7 +14,7 @@ from tests import triton_interpreter_shims
 triton_interpreter_shims.install()
 
 from splitserve.layers.linear import Linear  # noqa: E402
-from splitserve.layers.quant_kernels import int8_gemm as G  # noqa: E402
+from splitserve.kernels.gemm.int8 import int8_gemm as G  # noqa: E402
 from splitserve.layers.quantization import ops  # noqa: E402
 from splitserve.layers.quantization.int8 import Int8LinearMethod, Int8Scheme  # noqa: E402
 

@@ -12,10 +12,10 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as W  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_layout as L  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_tiled as T  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as W  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_layout as L  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_tiled as T  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

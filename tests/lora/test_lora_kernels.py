@@ -10,8 +10,8 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.lora import kernels  # noqa: E402
-from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_impl, max_tiles  # noqa: E402
+from splitserve.kernels.lora import shrink_expand as kernels  # noqa: E402
+from splitserve.kernels.lora.lora_add import TILE, LoRALayout, fill_layout, lora_add_impl, max_tiles  # noqa: E402
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from it. Expected layouts are computed here from the rows' adapter ids, not by t
 import numpy as np
 
 from splitserve.lora.layers import LoRAModel, LoRAState
-from splitserve.lora.ops import TILE, LoRALayout
+from splitserve.kernels.lora.lora_add import TILE, LoRALayout
 from splitserve.protocol.lora import LoRASlotLoad
 from splitserve.lora.worker import LoRAWorker
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant_kernels.act_quant import silu_mul_fp8_linear
-from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear, fp8_route, scaled_mm_linear
+from splitserve.kernels.gemm.act_quant import silu_mul_fp8_linear
+from splitserve.kernels.gemm.fp8.fp8_gemm import fp8_linear, fp8_route, scaled_mm_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
                                                  opaque_linear_op, register_param, replace_param, same_method)

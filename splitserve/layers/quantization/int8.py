@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant_kernels.act_quant import silu_mul_int8_linear
-from splitserve.layers.quant_kernels.int8_gemm import int8_linear
+from splitserve.kernels.gemm.act_quant import silu_mul_int8_linear
+from splitserve.kernels.gemm.int8.int8_gemm import int8_linear
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (LinearMethod, ParamLayout, opaque_linear_op, register_param,
                                                  replace_param)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitserve.layers.quant_kernels.wna16_gemm import wna16_linear, wna16_route
-from splitserve.layers.quant_kernels.wna16_layout import (WNA16Weight, from_awq, from_compressed_tensors, from_gptq,
+from splitserve.kernels.gemm.wna16.wna16_gemm import wna16_linear, wna16_route
+from splitserve.kernels.gemm.wna16.wna16_layout import (WNA16Weight, from_awq, from_compressed_tensors, from_gptq,
                                                           quantize_rtn)
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, register_param,
                                                  replace_param, same_method)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.moe.reference import check_moe_args, fused_moe_ref
+from splitserve.kernels.moe.reference import check_moe_args, fused_moe_ref
 
 
 @dataclass(frozen=True)

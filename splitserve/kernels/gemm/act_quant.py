@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels import int8_gemm as I8
-from splitserve.layers.quant_kernels import reference
-from splitserve.layers.quant_kernels.fp8_gemm import (FP8_DTYPE, FP8_GROUP_MAX_M, FP8_MAX, FP8_TRITON_MAX_M,
+from splitserve.kernels.gemm.int8 import int8_gemm as I8
+from splitserve.kernels.gemm import reference
+from splitserve.kernels.gemm.fp8.fp8_gemm import (FP8_DTYPE, FP8_GROUP_MAX_M, FP8_MAX, FP8_TRITON_MAX_M,
                                                       SCALE_EPS, fp8_gemm, fp8_linear, scaled_mm_linear)
 
 _FP8_MAX_C = tl.constexpr(FP8_MAX)

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels.wna16_layout import check_wna16_call
+from splitserve.kernels.gemm.wna16.wna16_layout import check_wna16_call
 
 _F32_MAGIC_BITS = 0x4B000000  # fp32 2**23: OR-ing q < 2**23 into its mantissa gives exactly 2**23 + q
 _F32_MAGIC = tl.constexpr(8388608.0)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
 
 INT8_HALF_RANGE = 127.5
 SCALE_EPS = float(torch.finfo(torch.float32).eps)  # ops._EPS: the scale of an all-zero row
@@ -297,7 +297,7 @@ def hopper_wgmma(device: torch.device) -> bool:
 @functools.cache
 def _gluon_available() -> bool:
     try:
-        import splitserve.layers.quant_kernels.int8_async_mma  # noqa: F401
+        import splitserve.kernels.gemm.int8.int8_async_mma  # noqa: F401
     except ImportError:
         return False
     return True
@@ -375,7 +375,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
         if not tma_supported(x_q, w):
             raise ValueError("the TMA kernel needs K % 16 == 0, 16-byte aligned tensors and sm90+")
         if cfg.async_mma:
-            from splitserve.layers.quant_kernels.int8_async_mma import launch_async_mma  # Gluon: only where used
+            from splitserve.kernels.gemm.int8.int8_async_mma import launch_async_mma  # Gluon: only where used
             launch_async_mma(x_q, x_s, w, w_s, bias_arg, out, stride_as, cfg, num_tiles,
                              has_bias=bias is not None, raw=raw)
             return out

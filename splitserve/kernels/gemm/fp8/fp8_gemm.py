@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
-from splitserve.layers.quant_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
+from splitserve.kernels.gemm.fp8.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -383,7 +383,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     "token" or "none" = W8A16). A static per-tensor `input_scale` (a checkpoint's) is used as given.
     Block scales ([ceil(N/128), ceil(K/128)]) always quantize per token and 128-group. Off CUDA (CPU
     tests) the torch reference computes the same function."""
-    from splitserve.layers.quant_kernels import reference
+    from splitserve.kernels.gemm import reference
 
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp8_linear takes bf16/fp16 activations, got {x.dtype}")

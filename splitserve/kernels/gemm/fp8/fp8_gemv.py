@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
+from splitserve.kernels.gemm._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
 
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 2  # rows of x one program holds (one accumulator set per row)

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
-from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
-from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
-from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm, wna16_tiled_supports
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
+from splitserve.kernels.gemm.wna16.wna16_gemv import wna16_gemv
+from splitserve.kernels.gemm.wna16.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
+from splitserve.kernels.gemm.wna16.wna16_tiled import wna16_tiled_gemm, wna16_tiled_supports
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
 # WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
@@ -262,7 +262,7 @@ def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     numerics, runnable in the interpreter) measured slower than dequantize + cuBLAS on the H100
     sweep, so it is not a fallback here."""
     try:
-        from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+        from splitserve.kernels.gemm.wna16 import wna16_wgmma  # Gluon: imported only where used
     except ImportError:  # a Triton without the experimental Gluon API
         return None
     if not wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
@@ -275,7 +275,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for x [..., K]: the entry the linear layers call (module docstring).
     Off CUDA (CPU tests) the torch reference computes the same function."""
-    from splitserve.layers.quant_kernels import reference
+    from splitserve.kernels.gemm import reference
 
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)

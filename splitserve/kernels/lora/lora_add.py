@@ -120,7 +120,7 @@ def lora_add_impl(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     if not use_kernels:
         lora_add_ref(out, x, lora_a, lora_b, shard_sizes, rank, token_slots)
         return
-    from splitserve.lora import kernels
+    from splitserve.kernels.lora import shrink_expand as kernels
     grid_tiles = max_tiles(x.shape[0], lora_a.shape[0])
     if grid_tiles == 0:
         return

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.attention.ops.paged_attention import default_num_splits, paged_decode_attention, ragged_paged_attention
+from splitserve.kernels.attention.paged_attention import default_num_splits, paged_decode_attention, ragged_paged_attention
 
 
 def is_cross_decode(num_tokens: int, num_seqs: int, max_query_len: int) -> bool:

@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
-from splitserve.layers.quant_kernels.wna16_layout import CANONICAL_ORDER, check_wna16_call, largest_pow2_divisor
+from splitserve.kernels.gemm._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
+from splitserve.kernels.gemm.wna16.wna16_layout import CANONICAL_ORDER, check_wna16_call, largest_pow2_divisor
 
 GEMV_MAX_ROWS = 8  # rows of x one program holds (registers: every FFMA chain is per row)
 

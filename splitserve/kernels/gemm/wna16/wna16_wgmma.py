@@ -29,8 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_for
-from splitserve.layers.quant_kernels.wna16_layout import check_wna16_call
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_for
+from splitserve.kernels.gemm.wna16.wna16_layout import check_wna16_call
 
 _F32_MAGIC_BITS = 0x4B000000  # fp32 2**23: OR-ing q < 2**23 into its mantissa gives exactly 2**23 + q
 
