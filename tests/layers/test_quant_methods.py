@@ -268,7 +268,7 @@ def test_wna16_custom_op_is_opaque_and_matches_the_reference():
     fake (shape-only) implementation used by torch.compile; on CPU it is the torch reference."""
     from splitserve.kernels.gemm.reference import wna16_gemm_ref
     from splitserve.kernels.gemm.wna16.wna16_layout import quantize_rtn
-    from splitserve.layers.quantization.wna16 import wna16_linear_op
+    from splitserve.kernels.ops import wna16_linear_op
     torch.manual_seed(0)
     w = quantize_rtn(torch.randn(64, 128), bits=4, group_size=32, symmetric=False)
     x, bias = torch.randn(3, 128), torch.randn(64)
