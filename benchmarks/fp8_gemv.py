@@ -1,4 +1,4 @@
-"""The FP8-weight GEMV (quant_kernels/fp8_gemv.py, W8A16) against today's fp8_linear at 1-2 tokens.
+"""The FP8-weight GEMV (kernels/gemm/fp8/fp8_gemv.py, W8A16) against today's fp8_linear at 1-2 tokens.
 
     python benchmarks/fp8_gemv.py --check --sweep [--layers 32] [--json PATH]
     python benchmarks/fp8_gemv.py --fake-sm90      # CPU only: compile every variant for sm_90a
@@ -62,8 +62,10 @@ def log(*a):
 
 def variant_config(v, N: int, K: int):
     from splitserve.kernels.gemm.fp8 import fp8_gemv as G
+    from splitserve.kernels.gemm.tiles import TileConfig
     bn, bk, warps, per_sm, prefetch = v
-    return G.Fp8GemvConfig(bn, bk, G.gemv_split_for(N, K, bn, bk, 132, per_sm), warps, prefetch=prefetch)
+    return TileConfig(block_n=bn, block_k=bk, split_k=G.gemv_split_for(N, K, bn, bk, 132, per_sm), num_warps=warps,
+                      num_stages=1, prefetch=prefetch)
 
 
 def vname(v) -> str:
@@ -161,9 +163,9 @@ def precompile(workers: int, do_check: bool) -> None:
 
 
 def check() -> int:
+    from splitserve.kernels.gemm import reference as R
     from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8
     from splitserve.kernels.gemm.fp8 import fp8_gemv as G
-    from splitserve.kernels.gemm import reference as R
     fails = 0
     gen = torch.Generator(device=DEV).manual_seed(1234)
 

@@ -1,4 +1,4 @@
-"""Times the fused MoE op (layers/moe/fused_moe.py) at the Mixtral-8x7B expert shape in bf16.
+"""Times the fused MoE op (kernels/moe/fused_moe.py) at the Mixtral-8x7B expert shape in bf16.
 
     python benchmarks/moe_kernel.py                       # H100: batch 1 and 8,192 tokens
     python benchmarks/moe_kernel.py --sweep               # also every tile configuration in CONFIGS

@@ -1,4 +1,4 @@
-"""Cross-attention (attention/cross_ref.py) and the relative position bias of self-attention
+"""Cross-attention (kernels/attention/cross_ref.py) and the relative position bias of self-attention
 (torch_ref) against dense definitions written here, on fresh random inputs: ragged encoder lengths,
 ragged decoder query counts, scattered cross blocks, GQA; the decode-graph layout (static buffers with
 padding rows) gives the eager result."""
