@@ -1,5 +1,5 @@
 """The down projection's input: silu(gate) * up and its per-token fp8 / int8 quantization, unfused (what
-the layers ran before) against the fused kernel (quant_kernels/act_quant.py).
+the layers ran before) against the fused kernel (kernels/gemm/act_quant.py).
 
     python benchmarks/act_quant.py [--check] [--m 256,1024,4096,16384] [--i 14336,4096] [--warps 8,16,32]
 
@@ -29,11 +29,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.quant_kernels import graph_ms  # noqa: E402
+from splitserve.kernels.gemm import act_quant as A  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8.fp8_gemm import quantize_fp8_per_token  # noqa: E402
+from splitserve.kernels.gemm.int8.int8_gemm import quantize_int8_per_token  # noqa: E402
 from splitserve.layers.activation import silu_and_mul  # noqa: E402
-from splitserve.layers.quant_kernels import act_quant as A  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels.fp8_gemm import quantize_fp8_per_token  # noqa: E402
-from splitserve.layers.quant_kernels.int8_gemm import quantize_int8_per_token  # noqa: E402
 
 KINDS = {"fp8": (torch.float8_e4m3fn, quantize_fp8_per_token), "int8": (torch.int8, quantize_int8_per_token)}
 GRAPH_BYTES = 256 << 20

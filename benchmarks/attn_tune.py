@@ -18,8 +18,8 @@ import torch
 import triton
 
 from splitserve.attention.backend import AttentionMetadata
-from splitserve.attention.ops import paged_attention as pa
 from splitserve.attention.torch_ref import paged_attention_ref
+from splitserve.kernels.attention import paged_attention as pa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step import capture_graph  # noqa: E402

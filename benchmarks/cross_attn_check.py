@@ -31,7 +31,7 @@ if not torch.cuda.is_available():  # the kernels in the Triton interpreter, with
     triton_interpreter_shims.install()
 
 from splitserve.attention.backend import AttentionMetadata  # noqa: E402
-from splitserve.attention.cross_ref import (  # noqa: E402
+from splitserve.kernels.attention.cross_ref import (  # noqa: E402
     CrossAttentionMetadata, cross_attention_padded, cross_attention_ref)
 from splitserve.attention.torch_ref import decode_attention_batched, paged_attention_ref  # noqa: E402
 from splitserve.attention.triton_backend import TritonBackend  # noqa: E402

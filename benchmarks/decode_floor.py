@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step import capture_graph, replay_ms  # noqa: E402
 
-from splitserve.attention.ops.paged_attention import paged_decode_attention  # noqa: E402
+from splitserve.kernels.attention.paged_attention import paged_decode_attention  # noqa: E402
 
 LAYERS, HIDDEN, INTER, VOCAB = 32, 4096, 14336, 128256
 HQ, HKV, D, BLOCK = 32, 8, 128, 16

@@ -1,4 +1,4 @@
-"""The FP8-weight GEMV (quant_kernels/fp8_gemv.py, W8A16) against today's fp8_linear at 1-2 tokens.
+"""The FP8-weight GEMV (kernels/gemm/fp8/fp8_gemv.py, W8A16) against today's fp8_linear at 1-2 tokens.
 
     python benchmarks/fp8_gemv.py --check --sweep [--layers 32] [--json PATH]
     python benchmarks/fp8_gemv.py --fake-sm90      # CPU only: compile every variant for sm_90a
@@ -61,9 +61,11 @@ def log(*a):
 
 
 def variant_config(v, N: int, K: int):
-    from splitserve.layers.quant_kernels import fp8_gemv as G
+    from splitserve.kernels.gemm.fp8 import fp8_gemv as G
+    from splitserve.kernels.gemm.tiles import TileConfig
     bn, bk, warps, per_sm, prefetch = v
-    return G.Fp8GemvConfig(bn, bk, G.gemv_split_for(N, K, bn, bk, 132, per_sm), warps, prefetch=prefetch)
+    return TileConfig(block_n=bn, block_k=bk, split_k=G.gemv_split_for(N, K, bn, bk, 132, per_sm), num_warps=warps,
+                      num_stages=1, prefetch=prefetch)
 
 
 def vname(v) -> str:
@@ -79,7 +81,7 @@ def fake_sm90() -> int:
     from quant_kernels_compile import compile_jobs, install_fake_sm90_driver
     compiled: list = []
     install_fake_sm90_driver(compiled)
-    from splitserve.layers.quant_kernels import fp8_gemv as G
+    from splitserve.kernels.gemm.fp8 import fp8_gemv as G
     jobs = []
     for M in MS:
         for name, (K, N) in SHAPES.items():
@@ -127,8 +129,8 @@ def _precompile_job(jobs):
     """Child process: one launch per (shape, M, variant, dtype, bias, per-tensor) compiles it into
     Triton's disk cache."""
     sys.path.insert(0, ROOT)
-    from splitserve.layers.quant_kernels import fp8_gemm as FP8
-    from splitserve.layers.quant_kernels import fp8_gemv as G
+    from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8
+    from splitserve.kernels.gemm.fp8 import fp8_gemv as G
     gen = torch.Generator(device=DEV).manual_seed(0)
     done = 0
     for name, M, v, dtype, has_bias, per_tensor in jobs:
@@ -161,9 +163,9 @@ def precompile(workers: int, do_check: bool) -> None:
 
 
 def check() -> int:
-    from splitserve.layers.quant_kernels import fp8_gemm as FP8
-    from splitserve.layers.quant_kernels import fp8_gemv as G
-    from splitserve.layers.quant_kernels import reference as R
+    from splitserve.kernels.gemm import reference as R
+    from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8
+    from splitserve.kernels.gemm.fp8 import fp8_gemv as G
     fails = 0
     gen = torch.Generator(device=DEV).manual_seed(1234)
 
@@ -233,8 +235,8 @@ def check() -> int:
 
 
 def sweep(layers: int) -> dict:
-    from splitserve.layers.quant_kernels import fp8_gemm as FP8
-    from splitserve.layers.quant_kernels import fp8_gemv as G
+    from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8
+    from splitserve.kernels.gemm.fp8 import fp8_gemv as G
     gen = torch.Generator(device=DEV).manual_seed(0)
     res: dict = {}
     t0 = time.time()

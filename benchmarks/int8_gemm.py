@@ -1,5 +1,5 @@
 """W8A8 INT8 GEMMs on the Llama-3-8B shapes: bf16 F.linear, the torch._int_mm path the INT8 layer used
-before quant_kernels/int8_gemm.py, and that Triton kernel (with and without its quantization launch).
+before kernels/gemm/int8/int8_gemm.py, and that Triton kernel (with and without its quantization launch).
 
     python benchmarks/int8_gemm.py [--check] [--sweep] [--m 64,256,1024,4096,16384] [--no-compile]
     python benchmarks/int8_gemm.py --compile-only     (no GPU needed)
@@ -25,7 +25,7 @@ TFLOP/s counts 2*M*N*K; "x bf16" is the ratio to bf16's time (higher is faster).
          bf16 rounding of the fp32 epilogue), and once through CUDA-graph replays (split-K counters).
 --sweep: tile configurations per shape at --sweep-m (default 256,1024,4096,16384), best first, and the
          best per shape and M at the end.
---tiles: the named tiles of G.INT8_TILES (<= 10, one compile each) with bf16 and the table's default,
+--tiles: the named tiles of tiles.INT8_TILES (<= 10, one compile each) with bf16 and the table's default,
          every shape at --tiles-m, then per M the 8B layer's sum of the four matmuls (x bf16) and the
          best tile per shape; with --check first each tile against exact references (check_tiles).
 --compile-only: every variant compiled for sm_90a without a GPU (stand-in driver), with its
@@ -37,6 +37,7 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,9 @@ from triton.runtime.errors import OutOfResources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from splitserve.layers.quant_kernels import int8_gemm as G  # noqa: E402
+from splitserve.kernels.gemm import tiles  # noqa: E402
+from splitserve.kernels.gemm.int8 import int8_gemm as G  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
 from splitserve.layers.quantization import ops  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
@@ -99,8 +102,8 @@ def method_fns(method: str, x: torch.Tensor, xq, ws, int_mm) -> list:
         return [lambda w=w: G.int8_gemm(xq[0], xq[1], w[0], w[1]) for w in ws]
     if method in ("triton tma", "triton tma ws"):
         M, K = x.shape
-        cfg = G.default_int8_config(M, ws[0][0].shape[0], K)
-        cfg = G.Int8Config(**{**cfg.__dict__, "tma": True}) if method == "triton tma" else WS_CONFIG
+        cfg = tiles.int8_gemm_tiles(M, ws[0][0].shape[0], K)
+        cfg = replace(cfg, tma=True) if method == "triton tma" else WS_CONFIG
         return [lambda w=w: G.int8_gemm(xq[0], xq[1], w[0], w[1], config=cfg) for w in ws]
     raise ValueError(method)
 
@@ -109,7 +112,7 @@ METHODS = ("bf16", "int_mm path", "triton+quant", "triton gemm", "triton tma", "
 # Triton only overlaps consecutive wgmma groups for fp32 accumulators: an int32 dot waits for its
 # MMAs every K step. With warp specialization (num_warps=4 here: two 4-warp MMA groups + a loader)
 # one MMA group's wait is covered by the other's MMAs.
-WS_CONFIG = G.Int8Config(128, 256, 128, num_warps=4, num_stages=3, tma=True, warp_spec=True)
+WS_CONFIG = TileConfig(block_m=128, block_n=256, block_k=128, num_warps=4, num_stages=3, tma=True, warp_spec=True)
 
 
 def run_table(ms_list, compiled: bool):
@@ -208,11 +211,11 @@ def check(ms_list) -> int:
             mag = (q.double().abs() @ w.double().abs().t()).float()
             configs = [("default", None)]
             if M > 256 and G.tma_supported(q, w):
-                cfg = G.default_int8_config(M, N, K)
-                configs += [("tma", G.Int8Config(**{**cfg.__dict__, "tma": True})), ("tma ws", WS_CONFIG)]
+                cfg = tiles.int8_gemm_tiles(M, N, K)
+                configs += [("tma", replace(cfg, tma=True)), ("tma ws", WS_CONFIG)]
             for label, cfg in configs:
-                raw_cfg = cfg or G.default_int8_config(M, N, K)
-                raw_cfg = G.Int8Config(**{**raw_cfg.__dict__, "split_k": 1})
+                raw_cfg = cfg or tiles.int8_gemm_tiles(M, N, K)
+                raw_cfg = replace(raw_cfg, split_k=1)
                 try:
                     acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=raw_cfg)
                 except OutOfResources as e:  # a variant's tiles (an int32 output tile staged for TMA) too big
@@ -272,7 +275,7 @@ def sweep_configs(M: int) -> list:
                     mma_warps = 8 if ws else warps
                     if (ws and warps != 4) or bm * bn // (mma_warps * 32) > 128 or (tma and bk > 128):
                         continue
-                    out.append(G.Int8Config(bm, bn, bk, num_warps=warps, num_stages=stages, tma=tma, warp_spec=ws))
+                    out.append(TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma=tma, warp_spec=ws))
     return out
 
 
@@ -286,7 +289,7 @@ def sweep(ms_list, only: str = ""):
             q, s = G.quantize_int8_per_token(x)
             flop = 2 * M * N * K
             results = []
-            default = G.default_int8_config(M, N, K)
+            default = tiles.int8_gemm_tiles(M, N, K)
             for cfg in [default] + [c for c in sweep_configs(M) if only in c.describe()]:
                 try:
                     ms = graph_ms([lambda w=w, cfg=cfg: G.int8_gemm(q, s, w[0], w[1], config=cfg) for w in wq], iters=5)
@@ -310,14 +313,14 @@ def sweep(ms_list, only: str = ""):
 
 
 # ---------------------------------------------------------------------------------------------
-# named tiles (G.INT8_TILES): one compile each, every shape at a few M, bf16 alongside
+# named tiles (tiles.INT8_TILES): one compile each, every shape at a few M, bf16 alongside
 # ---------------------------------------------------------------------------------------------
 
 def tile_names(arg: str) -> list[str]:
-    names = list(G.INT8_TILES) if arg == "all" else [n.strip() for n in arg.split(",") if n.strip()]
-    unknown = [n for n in names if n not in G.INT8_TILES]
+    names = list(tiles.INT8_TILES) if arg == "all" else [n.strip() for n in arg.split(",") if n.strip()]
+    unknown = [n for n in names if n not in tiles.INT8_TILES]
     if unknown:
-        raise SystemExit(f"unknown tiles {unknown}; known: {', '.join(G.INT8_TILES)}")
+        raise SystemExit(f"unknown tiles {unknown}; known: {', '.join(tiles.INT8_TILES)}")
     return names
 
 
@@ -339,7 +342,7 @@ def check_tiles(names) -> int:
             acc_ref = (q.double() @ w.double().t()).to(torch.int32)
             mag = (q.double().abs() @ w.double().abs().t()).float()
             for name in names:
-                cfg = G.INT8_TILES[name]
+                cfg = tiles.INT8_TILES[name]
                 try:
                     acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=cfg)
                     bad = (acc != acc_ref).sum().item()
@@ -379,7 +382,7 @@ def time_tiles(names, ms_list):
                 if method == "bf16":
                     fns = [lambda w=w: F.linear(x, w) for w in wb]
                 else:
-                    cfg = None if method == "default" else G.INT8_TILES[method]
+                    cfg = None if method == "default" else tiles.INT8_TILES[method]
                     fns = [lambda w=w, cfg=cfg: G.int8_gemm(q, s, w[0], w[1], config=cfg) for w in wq]
                 try:
                     if method not in first_call:  # the compile, once per kernel variant
@@ -430,13 +433,13 @@ def compile_only(ms_list, tiles_only=()) -> int:
             jobs.append((f"quant {name} M={M}", lambda x=x: G.quantize_int8_per_token(x)))
             if tiles_only:  # what --tiles --check and the timings launch
                 for n in tiles_only:
-                    c = G.INT8_TILES[n]
+                    c = tiles.INT8_TILES[n]
                     jobs += [(f"{name} M={M} {n}", lambda q=q, s=s, w=w, ws=ws, c=c: G.int8_gemm(q, s, w, ws, config=c)),
                              (f"{name} M={M} {n} bias", lambda q=q, s=s, w=w, ws=ws, b=b, c=c: G.int8_gemm(q, s, w, ws, b, config=c)),
                              (f"{name} M={M} {n} raw", lambda q=q, w=w, c=c: G.int8_gemm(q, None, w, None, out_dtype=torch.int32,
                                                                                         config=c))]
                 continue
-            cfgs = [G.default_int8_config(M, N, K)] + (sweep_configs(M) + [WS_CONFIG] if M > 256 else [])
+            cfgs = [tiles.int8_gemm_tiles(M, N, K)] + (sweep_configs(M) + [WS_CONFIG] if M > 256 else [])
             jobs += [(f"{name} M={M} {c.describe()}", lambda q=q, s=s, w=w, ws=ws, c=c: G.int8_gemm(q, s, w, ws, config=c))
                      for c in cfgs]
     return QC.compile_jobs(jobs, compiled, log)
@@ -460,7 +463,7 @@ def main(argv=None):
     ap.add_argument("--sweep-m", default="256,1024,4096,16384")
     ap.add_argument("--sweep-only", default="", help="sweep only configurations whose description has this "
                     "text (e.g. 'tma')")
-    ap.add_argument("--tiles", default="", help="named tiles of G.INT8_TILES ('all' or comma-separated): "
+    ap.add_argument("--tiles", default="", help="named tiles of tiles.INT8_TILES ('all' or comma-separated): "
                     "with --check, each against exact references; then every shape at --tiles-m with bf16 "
                     "and the table's default, and the 8B layer's sum per M")
     ap.add_argument("--tiles-m", default="512,2048,8192")

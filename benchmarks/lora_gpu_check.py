@@ -6,7 +6,7 @@
 1. The op in a captured CUDA graph, Llama-3-8B shapes (bf16, rank 16, 16 slots, slot 1 of rank 8):
    one capture per padded token count, then replays with new layouts (padding rows, tokens without
    an adapter, an empty layout) and a slot reloaded in place, each against the torch reference
-   (lora/ops.lora_add_ref) run on the same inputs. Then the LoRA ops of one whole 8B decode step
+   (kernels/lora/lora_add.lora_add_ref) run on the same inputs. Then the LoRA ops of one whole 8B decode step
    (32 layers x qkv/o/gate_up/down, distinct weights per layer) as one graph: its time with an empty
    layout (what a step without adapters would pay in a graph captured with the delta: why decode
    graphs are also captured without it), one adapter for every token, and 16 adapters.
@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from splitserve.lora import ops  # noqa: E402
-from splitserve.lora.ops import LoRALayout, fill_layout, lora_add_impl, lora_add_ref  # noqa: E402
+from splitserve.kernels.lora import lora_add as ops  # noqa: E402
+from splitserve.kernels.lora.lora_add import LoRALayout, fill_layout, lora_add_impl, lora_add_ref  # noqa: E402
 
 rows: list[tuple[str, str, str]] = []  # (check, result, PASS / FAIL / info)
 DEVICE = "cuda"

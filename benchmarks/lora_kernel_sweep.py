@@ -4,7 +4,7 @@ For each step size (32, 256 tokens) and layout (one adapter for every token, 16 
 each op of one 8B step -- 32 layers x qkv / o / gate_up / down, distinct weights per layer so they
 stream from memory as in the model -- as one CUDA graph, for several launch variants of the shrink
 (split_k, block_k, warps) and of the expand (block_n, column blocks per program, warps). Every
-variant's result is checked against the torch reference (lora/ops.lora_add_ref) first. Prints the
+variant's result is checked against the torch reference (kernels/lora/lora_add.lora_add_ref) first. Prints the
 best variant per (step size, layout, kernel) and the whole delta with the default and the best.
 
     python benchmarks/lora_kernel_sweep.py
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from splitserve.lora import kernels  # noqa: E402
-from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_ref, max_tiles  # noqa: E402
+from splitserve.kernels.lora import shrink_expand as kernels  # noqa: E402
+from splitserve.kernels.lora.lora_add import TILE, LoRALayout, fill_layout, lora_add_ref, max_tiles  # noqa: E402
 
 H, KV, INTER, R, S, LAYERS = 4096, 1024, 14336, 16, 16, 32
 SHAPES = {"qkv": (H, [H, KV, KV]), "o": (H, [H]), "gate_up": (H, [INTER, INTER]), "down": (INTER, [H])}

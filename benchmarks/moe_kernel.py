@@ -1,4 +1,4 @@
-"""Times the fused MoE op (layers/moe/fused_moe.py) at the Mixtral-8x7B expert shape in bf16.
+"""Times the fused MoE op (kernels/moe/fused_moe.py) at the Mixtral-8x7B expert shape in bf16.
 
     python benchmarks/moe_kernel.py                       # H100: batch 1 and 8,192 tokens
     python benchmarks/moe_kernel.py --sweep               # also every tile configuration in CONFIGS
@@ -61,8 +61,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 if ARGS.device == "cpu" and not ARGS.compile_sm90:
     from tests import triton_interpreter_shims  # noqa: E402
     triton_interpreter_shims.install()
-from splitserve.layers.moe import fused_moe as FM  # noqa: E402
-from splitserve.layers.moe.reference import fused_moe_ref  # noqa: E402
+from splitserve.kernels.moe import fused_moe as FM  # noqa: E402
+from splitserve.kernels.moe.reference import fused_moe_ref  # noqa: E402
 from splitserve.layers.moe.router import topk_route  # noqa: E402
 
 G = FM.GemmConfig

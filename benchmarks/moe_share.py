@@ -4,7 +4,7 @@
 
 Runs an offline workload (random token ids, ignore_eos) through the engine with graphs as served,
 once to warm up and once under torch.profiler, then sums the CUDA kernels' device time: the MoE
-GEMM and its token alignment (`_moe_gemm_kernel`, `_align_kernel` in layers/moe/fused_moe.py)
+GEMM and its token alignment (`_moe_gemm_kernel`, `_align_kernel` in kernels/moe/fused_moe.py)
 against every kernel of the run, for the whole run and for its pure-decode and prefill-carrying
 phases (split by the steps' token counts from the scheduler). Prints a table last.
 """

@@ -34,10 +34,11 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from splitserve.layers.quant_kernels import fp8_gemm as FP8  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as WNA  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemv as GEMV  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as WNA  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemv as GEMV  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 LM_HEAD = (4096, 128256)
@@ -218,7 +219,7 @@ def linear_act(M: int) -> str:
 
 
 def check(ms_list) -> int:
-    from splitserve.layers.quant_kernels import wna16_layout as L
+    from splitserve.kernels.gemm.wna16 import wna16_layout as L
     fails = 0
 
     def report(what, err, tol=4e-3):
@@ -272,8 +273,8 @@ def check(ms_list) -> int:
                         b = bias.to(dtype)
                         ref = R.wna16_gemm_ref(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP, bias=b)
                         bk = 128 if M <= 2 else 32  # the second: 4 columns per thread, prefetch up to 2 rows
-                        cfgs = [None, GEMV.WNA16GemvConfig(256, bk, GEMV.gemv_split_for(N, K, 256, bk, 132, 2), 2,
-                                                           prefetch=M <= 2)]
+                        cfgs = [None, TileConfig(block_n=256, block_k=bk, split_k=GEMV.gemv_split_for(N, K, 256, bk, 132, 2),
+                                                num_warps=2, num_stages=1, prefetch=M <= 2)]
                         for cfg in cfgs:
                             out = GEMV.wna16_gemv(x, wi.qweight, wi.scales, wi.zeros, bits=bits, group_size=GROUP,
                                                   bias=b, config=cfg)
@@ -336,9 +337,10 @@ def gemv_sweep_configs(M: int, K: int, N: int):
                 continue
             for per_sm in (2, 4, 8):
                 split = GEMV.gemv_split_for(N, K, bn, bk, 132, per_sm)
-                out.append(GEMV.WNA16GemvConfig(bn, bk, split, warps))
+                out.append(TileConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1))
                 if words <= 64 // M:  # register prefetch doubles the words held (spills past this)
-                    out.append(GEMV.WNA16GemvConfig(bn, bk, split, warps, prefetch=True))
+                    out.append(TileConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1,
+                                          prefetch=True))
     return list(dict.fromkeys(out))
 
 
@@ -353,8 +355,9 @@ def sweep_configs(kind: str, M: int, K: int, N: int):
                 for stages in (3, 5):
                     for bcast in (False, True):
                         for waves in (1, 2):
-                            out.append(WNA.WNA16Config(bm, bn, 128, split_for(M, N, K, bm, bn, 128, waves), 4,
-                                                       stages, bcast))
+                            out.append(TileConfig(block_m=bm, block_n=bn, block_k=128,
+                                                  split_k=split_for(M, N, K, bm, bn, 128, waves), num_warps=4,
+                                                  num_stages=stages, unpack_bcast=bcast))
         else:
             bks = (128,) if kind == "fp8 group" else (128, 256)
             bns = (32, 64, 128) if kind == "fp8 group" else (16, 32, 64)
@@ -362,7 +365,9 @@ def sweep_configs(kind: str, M: int, K: int, N: int):
                 for bk in bks:
                     for stages in (3, 5):
                         for waves in (1, 2):
-                            out.append(FP8.Fp8Config(bm, bn, bk, split_for(M, N, K, bm, bn, bk, waves), 4, stages))
+                            out.append(TileConfig(block_m=bm, block_n=bn, block_k=bk,
+                                                  split_k=split_for(M, N, K, bm, bn, bk, waves), num_warps=4,
+                                                  num_stages=stages))
     return list(dict.fromkeys(out))
 
 

@@ -144,7 +144,8 @@ def launches(FP8, WNA, GEMV, M, name, K, N):
         (f"wna16 int8 {name} M={M}", lambda: WNA.wna16_gemm(x, qw8, sc, None, bits=8, group_size=128)),
         (f"wna16 int4 bcast {name} M={M}", lambda: WNA.wna16_gemm(
             x, qw, sc, None, bits=4, group_size=128,
-            config=WNA.WNA16Config(16 if M <= 16 else 64, 64, 128, 2, unpack_bcast=True))),
+            config=WNA.TileConfig(block_m=16 if M <= 16 else 64, block_n=64, block_k=128, split_k=2,
+                                  unpack_bcast=True))),
         (f"wna16 dequant {name}", lambda: WNA.wna16_dequantize(qw, sc, None, bits=4, group_size=128)),
     ] + ([
         (f"wna16_gemv int4 {name} M={M}", lambda: GEMV.wna16_gemv(x, qw, sc, None, bits=4, group_size=128)),
@@ -159,9 +160,9 @@ def main() -> None:
     args = ap.parse_args()
     compiled: list = []
     install_fake_sm90_driver(compiled)
-    from splitserve.layers.quant_kernels import fp8_gemm as FP8
-    from splitserve.layers.quant_kernels import wna16_gemm as WNA
-    from splitserve.layers.quant_kernels import wna16_gemv as GEMV
+    from splitserve.kernels.gemm.fp8 import fp8_gemm as FP8
+    from splitserve.kernels.gemm.wna16 import wna16_gemm as WNA
+    from splitserve.kernels.gemm.wna16 import wna16_gemv as GEMV
 
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
     jobs = []

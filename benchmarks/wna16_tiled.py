@@ -33,14 +33,30 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as WNA  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_tiled as T  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_wgmma as WG  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as WNA  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_tiled as T  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_wgmma as WG  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 GROUP = 128
-C, G = T.WNA16TiledConfig, WG.WNA16WgmmaConfig
+
+
+class WgmmaTile(TileConfig):
+    """A wna16_wgmma tile: the type only tells this script which kernel a variant runs (the kernels
+    take any TileConfig)."""
+
+
+def C(bm, bn, bk, warps, stages):  # a wna16_tiled tile; C itself: that kernel's default tiles
+    return TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+def G(bm, bn, bk, warps, stages, split_k=1, programs_per_sm=1.0):  # a wna16_wgmma tile; G: its defaults
+    return WgmmaTile(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split_k,
+                     programs_per_sm=programs_per_sm)
+
+
 # "t": wna16_tiled (Triton; "s" its swap-AB orientation), "g": wna16_wgmma (Gluon, async wgmma).
 # Name: tokens x features x block_k, warps, stages. CPU compile for sm_90a (--cpu-compile): none
 # spills; 2 programs per SM fit for the 4-warp 128x128 tiles (~255 registers, <= 112 KB shared).
@@ -75,7 +91,7 @@ def rand_int4(N, K, gen, device="cuda"):
 
 def tiled(x, w, cfg, zeros=None, bits=4, bias=None):
     """cfg: a variant's config, or C / G (the classes) for that kernel's default tiles."""
-    kernel = WG.wna16_wgmma_gemm if cfg is G or isinstance(cfg, G) else T.wna16_tiled_gemm
+    kernel = WG.wna16_wgmma_gemm if cfg is G or isinstance(cfg, WgmmaTile) else T.wna16_tiled_gemm
     return kernel(x, w[0], w[1], zeros, bits=bits, group_size=GROUP, bias=bias,
                   config=None if cfg in (C, G) else cfg)
 
@@ -97,7 +113,7 @@ def family(name: str) -> str:
 def check(fam: str) -> list[str]:
     """The check of one kernel family (run in its own process: a kernel that faults takes only its
     family's check down). Returns the variant / default names that failed."""
-    from splitserve.layers.quant_kernels import wna16_layout as L
+    from splitserve.kernels.gemm.wna16 import wna16_layout as L
     sys.path.insert(0, ROOT)
     fails = 0
     failed: set[str] = set()
@@ -196,9 +212,9 @@ def _compile_job(jobs):
         b = torch.randn(N, device="cuda", dtype=dtype, generator=gen) if bias else None
         cfg = VARIANTS.get(name) or DEFAULTS[name]
         # a Gluon kernel compiles once with split-K and once without
-        cfgs = [replace(cfg, split_k=1), replace(cfg, split_k=2)] if isinstance(cfg, G) else [cfg]
+        cfgs = [replace(cfg, split_k=1), replace(cfg, split_k=2)] if isinstance(cfg, WgmmaTile) else [cfg]
         if cfg is G:
-            cfgs = [WG.WNA16WgmmaConfig(split_k=1), WG.WNA16WgmmaConfig(split_k=2)]
+            cfgs = [G(128, 128, 64, 4, 4, split_k=1), G(128, 128, 64, 4, 4, split_k=2)]
         for c in cfgs:
             try:
                 tiled(x, w4 if bits == 4 else w8, c, zeros if zp else None, bits, b)
@@ -286,7 +302,7 @@ def cpu_compile() -> int:
     sc, zs = torch.empty(K // GROUP, N), torch.empty(K // GROUP, N, dtype=torch.uint8)
     cases = []
     for v, cfg in VARIANTS.items():  # Gluon: with and without split-K
-        for c, tag in ([(replace(cfg, split_k=1), ""), (replace(cfg, split_k=2), " split")] if isinstance(cfg, G)
+        for c, tag in ([(replace(cfg, split_k=1), ""), (replace(cfg, split_k=2), " split")] if isinstance(cfg, WgmmaTile)
                        else [(cfg, "")]):
             cases.append((v + tag, lambda c=c: tiled(torch.empty(256, K, dtype=torch.bfloat16), (qw, sc), c)))
     for dname, dcfg in DEFAULTS.items():

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.attention.cross_ref import CrossAttentionMetadata, cross_attention_padded, store_cross_kv_ref
+from splitserve.kernels.attention.cross_ref import CrossAttentionMetadata, cross_attention_padded, store_cross_kv_ref
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: stores saturate there
@@ -48,7 +48,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor  # host copies: for backends that loop on the host
     seq_lens_cpu: torch.Tensor
-    # Encoder-decoder models: the step's cross-attention layout (attention/cross_ref.py); None else.
+    # Encoder-decoder models: the step's cross-attention layout (kernels/attention/cross_ref.py); None else.
     cross: CrossAttentionMetadata | None = None
 
     @property
@@ -131,7 +131,7 @@ class AttentionBackend:
     def cross_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CrossAttentionMetadata,
                       scale: float) -> torch.Tensor:
         """Each decoder query over its sequence's encoder K/V (non-causal, ragged encoder lengths).
-        KERNEL PLUG-IN POINT: the default is the padded torch maths (attention/cross_ref.py), which
+        KERNEL PLUG-IN POINT: the default is the padded torch maths (kernels/attention/cross_ref.py), which
         reads no host value and so can be captured in a decode graph; a backend may override it."""
         return cross_attention_padded(q, kv_cache, meta, scale)
 

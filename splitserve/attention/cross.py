@@ -13,12 +13,7 @@ import torch
 from torch import nn
 
 from splitserve.attention import layer as _layer
-
-
-@torch.library.custom_op("splitserve::cross_attention", mutates_args=())
-def cross_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       scale: float) -> torch.Tensor:
-    return _cross_attention(q, kv_cache, num_heads, num_kv_heads, scale)
+from splitserve.kernels.ops import cross_attention_op, implement
 
 
 def _cross_attention(q, kv_cache, num_heads, num_kv_heads, scale):
@@ -31,9 +26,7 @@ def _cross_attention(q, kv_cache, num_heads, num_kv_heads, scale):
     return out.reshape(T, num_heads * head_dim)
 
 
-@cross_attention_op.register_fake
-def _(q, kv_cache, num_heads, num_kv_heads, scale):
-    return q.new_empty(q.shape)
+implement("cross_attention", _cross_attention)  # the body of splitserve::cross_attention (kernels/ops.py)
 
 
 class CrossAttention(nn.Module):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from splitserve.attention.backend import AttentionBackend, AttentionMetadata
+from splitserve.kernels.ops import attention_op, implement
 
 
 @dataclass
@@ -35,27 +36,10 @@ def forward_context(ctx: ForwardContext):
         _context = prev
 
 
-# The op writes the step's K/V into kv_cache, yet declares no mutation: nothing else in a graph reads
-# the cache, and a declared mutation would make the compiler functionalize (copy) a multi-GB tensor.
-# The cache is an argument (not looked up by layer index) so every decoder layer traces to the same
-# graph and compiles once.
-# k_scale / v_scale are the layer's FP8 KV scales (device tensors, so a checkpoint's values need no
-# recompile and CUDA graphs read them at replay); backends use them only when the cache is FP8.
-# sliding_window / soft_cap: the layer's window and logit soft cap, 0 for none (plain numbers keep the
-# op's schema simple; the backends take None).
-@torch.library.custom_op("splitserve::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 k_scale: torch.Tensor, v_scale: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor | None, num_heads: int, num_kv_heads: int, scale: float,
-                 sliding_window: int = 0, soft_cap: float = 0.0,
-                 pos_bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
-                      sliding_window, soft_cap, pos_bias)
-
-
 def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
                sliding_window=0, soft_cap=0.0, pos_bias=None):
-    """The op's body: the backend's forward on the step's metadata."""
+    """The body of the op splitserve::attention (registered with its schema and fake in kernels/ops.py):
+    the backend's forward on the step's metadata."""
     ctx = _context
     if ctx is None:
         raise RuntimeError("attention called outside a forward context")
@@ -68,10 +52,7 @@ def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_head
     return out.reshape(T, num_heads * head_dim)
 
 
-@attention_op.register_fake
-def _(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
-      sliding_window=0, soft_cap=0.0, pos_bias=None):
-    return q.new_empty(q.shape)
+implement("attention", _attention)  # the body of splitserve::attention (kernels/ops.py)
 
 
 class Attention(nn.Module):

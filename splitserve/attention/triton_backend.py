@@ -9,11 +9,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from splitserve.attention.backend import AttentionBackend, AttentionKernelSpec, AttentionMetadata, DecodeGraphState
-from splitserve.attention.cross_ref import CrossAttentionMetadata
-from splitserve.attention.ops.cross_attention import cross_decode_splits, cross_paged_attention, is_cross_decode
-from splitserve.attention.ops.paged_attention import (
+from splitserve.kernels.attention.cross_attention import cross_decode_splits, cross_paged_attention, is_cross_decode
+from splitserve.kernels.attention.cross_ref import CrossAttentionMetadata
+from splitserve.kernels.attention.paged_attention import (
     default_num_splits, paged_decode_attention, ragged_paged_attention, ragged_variant)
-from splitserve.attention.ops.store_kv import store_kv
+from splitserve.kernels.attention.store_kv import store_kv
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 `request.py` LoRARequest (plain data that travels with a request); `adapter.py` PEFT adapters read and
 checked against the base model; `manager.py` the engine core's host LRU, loader thread and GPU slots;
-`layers.py` the wrappers `attach_lora` puts on the decoder's projections; `ops.py` the delta as a
-custom op with its torch reference; `kernels.py` the Triton shrink/expand kernels; `worker.py` slot
-loads and each step's token -> slot layout.
+`layers.py` the wrappers `attach_lora` puts on the decoder's projections; `worker.py` slot loads and
+each step's token -> slot layout. The delta's kernels, layout and torch reference are kernels/lora/
+(`lora_add.py`, `shrink_expand.py`); its custom op `splitserve::lora_add_` is kernels/ops.py's.
 """
 from splitserve.protocol.lora import LoRARequest, LoRASlotLoad
 

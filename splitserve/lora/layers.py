@@ -2,7 +2,7 @@
 
 Each of q/k/v (the merged QKV layer), o, gate/up (merged) and down of every decoder layer is replaced
 by a `LoRALinear` that runs the base layer unchanged and, when the step has tokens with an adapter,
-adds their delta (lora/ops.py) into its output. The adapters live in fixed GPU slots: per layer
+adds their delta (kernels/lora/lora_add.py) into its output. The adapters live in fixed GPU slots: per layer
 `lora_a` [max_loras, shards * max_rank, in] and `lora_b` [max_loras, out, max_rank], zero-padded to
 --max-lora-rank, the scaling folded into B; a slot load copies into them in place. Every wrapper
 reads the one step layout (`LoRALayout`, static device buffers the worker rewrites per step), so a
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.lora import ops  # noqa: F401  (registers splitserve::lora_add_)
+from splitserve.kernels import ops  # noqa: F401  (registers splitserve::lora_add_)
+from splitserve.kernels.lora.lora_add import LoRALayout
 from splitserve.lora.adapter import LoRAAdapter
-from splitserve.lora.ops import LoRALayout
 
 
 class LoRAState:

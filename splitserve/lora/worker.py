@@ -2,7 +2,7 @@
 
 The persistent batch keeps each request's adapter id per row (`InputBatch.lora_id`, 0: none). Per
 step the runner calls `prepare_step` with the step's rows and token counts: it maps ids to slots (the
-scheduler guarantees every scheduled adapter is in a slot), writes the step's layout (lora/ops.py)
+scheduler guarantees every scheduled adapter is in a slot), writes the step's layout (kernels/lora/lora_add.py)
 into a pinned host copy and copies it into the model's static layout buffer on the step's stream (no
 reallocation, no wait), and sets the wrappers' flag. A step with no adapter leaves the flag off and,
 once the device layout is empty, copies nothing: it costs nothing more than without LoRA.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from splitserve.kernels.lora.lora_add import LoRALayout, fill_layout
 from splitserve.lora.layers import LoRAModel
-from splitserve.lora.ops import LoRALayout, fill_layout
 
 
 class LoRAWorker:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from splitserve.attention.cross_ref import CrossAttentionMetadata, encoder_slots
+from splitserve.kernels.attention.cross_ref import CrossAttentionMetadata, encoder_slots
 from splitserve.protocol.sched_output import SchedulerOutput
 
 

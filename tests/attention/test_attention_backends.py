@@ -78,7 +78,7 @@ LLAMA3_8B_SPLITS = {2: 32, 4: 16, 8: 8, 16: 4, 24: 2, 32: 2, 48: 1, 64: 1, 1024:
 def test_decode_graph_capture_metadata(name, monkeypatch):
     if name == "triton":
         _triton()
-        from splitserve.attention.ops import paged_attention
+        from splitserve.kernels.attention import paged_attention
         monkeypatch.setattr(paged_attention, "_num_sms", lambda index: 132)  # as on an H100 SXM
     backend = get_backend(name)
     n, max_blocks = 1024, 512
@@ -153,8 +153,8 @@ OLD_LAUNCHES["gqa_small_fp8_kv"] = (replace(OLD_LAUNCHES["gqa_small"][0], kv_dty
 @pytest.mark.parametrize("case", list(OLD_LAUNCHES))
 def test_precompile_launches_are_the_old_ones(case, monkeypatch):
     _triton()
-    from splitserve.attention.ops import paged_attention
-    from splitserve.attention.ops.store_kv import store_kv
+    from splitserve.kernels.attention import paged_attention
+    from splitserve.kernels.attention.store_kv import store_kv
     from splitserve.startup import kernel_precompile
     # The children must not ask CUDA for the SM count: the spec carries it.
     monkeypatch.setattr(paged_attention, "_num_sms", lambda index: pytest.fail("asked CUDA for the SM count"))

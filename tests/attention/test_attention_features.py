@@ -18,9 +18,9 @@ from tests.attention.test_triton_attention import DEVICE, SCENARIOS, TOL, make_b
 
 from splitserve.attention.backend import AttentionMetadata  # noqa: E402
 from splitserve.attention.layer import Attention, kv_free_window  # noqa: E402
-from splitserve.attention.ops.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
 from splitserve.attention.torch_ref import TorchRefBackend, decode_attention_batched, paged_attention_ref  # noqa: E402
 from splitserve.attention.triton_backend import TritonBackend  # noqa: E402
+from splitserve.kernels.attention.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
 from splitserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 

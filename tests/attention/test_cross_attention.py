@@ -1,4 +1,4 @@
-"""Cross-attention (attention/cross_ref.py) and the relative position bias of self-attention
+"""Cross-attention (kernels/attention/cross_ref.py) and the relative position bias of self-attention
 (torch_ref) against dense definitions written here, on fresh random inputs: ragged encoder lengths,
 ragged decoder query counts, scattered cross blocks, GQA; the decode-graph layout (static buffers with
 padding rows) gives the eager result."""
@@ -10,7 +10,7 @@ from tests import triton_interpreter_shims
 triton_interpreter_shims.install()  # the Triton backend's kernels run in the interpreter on CPU
 
 from splitserve.attention.backend import AttentionBackend, AttentionMetadata  # noqa: E402
-from splitserve.attention.cross_ref import (  # noqa: E402
+from splitserve.kernels.attention.cross_ref import (  # noqa: E402
     CrossAttentionMetadata, cross_attention_padded, cross_attention_ref, encoder_slots)
 from splitserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 

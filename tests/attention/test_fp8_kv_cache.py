@@ -18,8 +18,8 @@ triton_interpreter_shims.install()  # before any kernel runs; see the module
 from tests.attention.test_triton_attention import DEVICE, SCENARIOS, TOL, make_batch  # noqa: E402
 
 from splitserve.attention.layer import Attention, kv_scale_targets  # noqa: E402
-from splitserve.attention.ops.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
-from splitserve.attention.ops.store_kv import store_kv  # noqa: E402
+from splitserve.kernels.attention.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
+from splitserve.kernels.attention.store_kv import store_kv  # noqa: E402
 from splitserve.attention.torch_ref import (  # noqa: E402
     TorchRefBackend, decode_attention_batched, gather_context, paged_attention_ref, store_kv_ref)
 from splitserve.attention.triton_backend import TritonBackend, TritonMetadata  # noqa: E402

@@ -11,11 +11,11 @@ from tests import triton_interpreter_shims
 triton_interpreter_shims.install()  # the interpreter's bugs, see the module
 
 from splitserve.attention.backend import AttentionMetadata  # noqa: E402
-from splitserve.attention.ops.paged_attention import (  # noqa: E402
+from splitserve.kernels.attention.paged_attention import (  # noqa: E402
     default_num_splits, paged_decode_attention, ragged_paged_attention)
-from splitserve.attention.ops.store_kv import store_kv  # noqa: E402
 from splitserve.attention.torch_ref import TorchRefBackend, paged_attention_ref, store_kv_ref  # noqa: E402
 from splitserve.attention.triton_backend import TritonBackend, TritonMetadata  # noqa: E402
+from splitserve.kernels.attention.store_kv import store_kv  # noqa: E402
 from splitserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,12 +12,12 @@ triton_interpreter_shims.install()  # before any kernel runs; see the module
 
 from tests.attention.test_triton_attention import DEVICE, TOL, make_batch  # noqa: E402
 
-from splitserve.attention.cross_ref import (  # noqa: E402
+from splitserve.kernels.attention.cross_ref import (  # noqa: E402
     CrossAttentionMetadata, cross_attention_padded, cross_attention_ref, encoder_slots, store_cross_kv_ref)
-from splitserve.attention.ops.cross_attention import cross_paged_attention  # noqa: E402
-from splitserve.attention.ops.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
 from splitserve.attention.torch_ref import TorchRefBackend, paged_attention_ref  # noqa: E402
 from splitserve.attention.triton_backend import TritonBackend, TritonMetadata  # noqa: E402
+from splitserve.kernels.attention.cross_attention import cross_paged_attention  # noqa: E402
+from splitserve.kernels.attention.paged_attention import paged_decode_attention, ragged_paged_attention  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 

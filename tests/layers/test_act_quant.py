@@ -1,4 +1,4 @@
-"""silu(gate) * up fused with per-token fp8 / int8 quantization (quant_kernels/act_quant.py), the FP8 and
+"""silu(gate) * up fused with per-token fp8 / int8 quantization (kernels/gemm/act_quant.py), the FP8 and
 INT8 methods' fused down projection, and GatedMLP's use of it.
 
 Without CUDA the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1,
@@ -17,11 +17,11 @@ from tests.quant_reference import random_quantized_weights
 
 triton_interpreter_shims.install()
 
+from splitserve.kernels.gemm import act_quant as A  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as F8  # noqa: E402
+from splitserve.kernels.gemm.int8 import int8_gemm as I8  # noqa: E402
 from splitserve.layers.activation import silu_and_mul  # noqa: E402
-from splitserve.layers.quant_kernels import act_quant as A  # noqa: E402
-from splitserve.layers.quant_kernels import fp8_gemm as F8  # noqa: E402
-from splitserve.layers.quant_kernels import int8_gemm as I8  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
 from splitserve.layers.quantization import ops  # noqa: E402
 from splitserve.layers.quantization.base import QuantConfig  # noqa: E402
 from splitserve.layers.quantization.fp8 import Fp8Config  # noqa: E402
@@ -229,8 +229,8 @@ def test_gated_mlp_fuses_silu_into_the_down_projection(kind, gen):
 
 
 def test_gated_mlp_keeps_the_activation_for_lora_and_cpu_emulation(gen):
+    from splitserve.kernels.lora.lora_add import LoRALayout
     from splitserve.lora.layers import LoRALinear, LoRAState
-    from splitserve.lora.ops import LoRALayout
     torch._dynamo.reset()
     mlp = gated_mlp(Fp8Config.online())
     x = torch.randn(9, 64, generator=gen, device=DEVICE, dtype=torch.bfloat16)

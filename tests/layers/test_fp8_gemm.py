@@ -1,4 +1,4 @@
-"""FP8 activation quantization and GEMM kernels (quant_kernels/fp8_gemm.py) vs the torch reference.
+"""FP8 activation quantization and GEMM kernels (kernels/gemm/fp8/fp8_gemm.py) vs the torch reference.
 
 Without CUDA the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 with the interpreter's fp8/bf16 rounding fixed (tests/triton_interpreter_shims.py); shapes are small and odd
@@ -12,8 +12,9 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import fp8_gemm as F  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as F  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -94,7 +95,8 @@ def test_reference_is_close_to_the_dense_product(gen):
             assert rel_err(R.fp8_linear_ref(x, wq, ws, act=act), dense) < 0.05
 
 
-CONFIGS = [None, F.Fp8Config(16, 32, 128, split_k=3), F.Fp8Config(32, 16, 64, split_k=2, num_warps=2)]
+CONFIGS = [None, TileConfig(block_m=16, block_n=32, block_k=128, split_k=3),
+           TileConfig(block_m=32, block_n=16, block_k=64, split_k=2, num_warps=2)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "split3", "bk64"])
@@ -113,7 +115,8 @@ def test_fp8_gemm_fp8_activations(cfg, w_kind, gen):
         assert_close_bf16(out, R.fp8_gemm_ref(q, s, wq, ws, bias))
 
 
-@pytest.mark.parametrize("cfg", [None, F.Fp8Config(16, 64, 128, split_k=2)], ids=["default", "split2"])
+@pytest.mark.parametrize("cfg", [None, TileConfig(block_m=16, block_n=64, block_k=128, split_k=2)],
+                         ids=["default", "split2"])
 @pytest.mark.parametrize("act", ["group", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_gemm_fused_activation_modes(cfg, act, dtype, gen):
@@ -128,7 +131,7 @@ def test_fp8_gemm_fused_activation_modes(cfg, act, dtype, gen):
 
 def test_split_k_counters_reset_between_calls(gen):
     # the same split-K tiles twice in a row: the second call must find its counters back at zero
-    cfg = F.Fp8Config(16, 32, 128, split_k=4)
+    cfg = TileConfig(block_m=16, block_n=32, block_k=128, split_k=4)
     wq, ws = weights(64, 512, "channel", gen)
     for _ in range(2):
         x = torch.randn(2, 512, generator=gen, device=DEVICE, dtype=torch.bfloat16)
@@ -173,7 +176,7 @@ def test_bad_inputs_raise_value_errors(gen):
     with pytest.raises(ValueError, match="bias"):
         F.fp8_gemm(x, None, wq, ws, torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="block_k"):
-        F.fp8_gemm(x, None, wq, ws, config=F.Fp8Config(16, 16, 256))
+        F.fp8_gemm(x, None, wq, ws, config=TileConfig(block_m=16, block_n=16, block_k=256))
     with pytest.raises(ValueError, match="bf16/fp16"):
         F.fp8_linear(x.float(), wq, ws)
     with pytest.raises(ValueError, match="static activation scale"):

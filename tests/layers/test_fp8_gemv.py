@@ -1,4 +1,4 @@
-"""The FP8-weight GEMV (quant_kernels/fp8_gemv.py, W8A16 at 1-2 tokens) vs the torch reference, and
+"""The FP8-weight GEMV (kernels/gemm/fp8/fp8_gemv.py, W8A16 at 1-2 tokens) vs the torch reference, and
 fp8_linear's dispatch to it.
 
 Without CUDA the kernel runs in the Triton interpreter (tests/conftest.py); shapes are small, with N
@@ -11,9 +11,10 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import fp8_gemm as F  # noqa: E402
-from splitserve.layers.quant_kernels import fp8_gemv as G  # noqa: E402
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemm as F  # noqa: E402
+from splitserve.kernels.gemm.fp8 import fp8_gemv as G  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -50,12 +51,12 @@ def gen():
 # (N, K, config): N tails (N not a multiple of block_n), K tails (K not a multiple of block_k or of the
 # 8-value runs), split-K off / on (several K steps per split, a partial last split)
 CASES = [
-    (48, 256, G.Fp8GemvConfig(16, 64, 1, 1)),
-    (40, 200, G.Fp8GemvConfig(16, 64, 1, 1)),
-    (33, 300, G.Fp8GemvConfig(16, 64, 3, 2)),
-    (64, 512, G.Fp8GemvConfig(32, 128, 2, 4)),
-    (24, 130, G.Fp8GemvConfig(8, 32, 4, 1, prefetch=True)),
-    (32, 512, G.Fp8GemvConfig(16, 64, 2, 2, prefetch=True)),
+    (48, 256, TileConfig(block_n=16, block_k=64, split_k=1, num_warps=1, num_stages=1)),
+    (40, 200, TileConfig(block_n=16, block_k=64, split_k=1, num_warps=1, num_stages=1)),
+    (33, 300, TileConfig(block_n=16, block_k=64, split_k=3, num_warps=2, num_stages=1)),
+    (64, 512, TileConfig(block_n=32, block_k=128, split_k=2, num_warps=4, num_stages=1)),
+    (24, 130, TileConfig(block_n=8, block_k=32, split_k=4, num_warps=1, num_stages=1, prefetch=True)),
+    (32, 512, TileConfig(block_n=16, block_k=64, split_k=2, num_warps=2, num_stages=1, prefetch=True)),
 ]
 
 
@@ -88,7 +89,7 @@ def test_fp8_gemv_rejects_what_it_cannot_run(gen):
     with pytest.raises(ValueError, match="per-tensor or per-channel"):
         G.fp8_gemv(x[:1], w, torch.ones(1, 1, device=DEVICE).expand(1, 2).contiguous())
     with pytest.raises(ValueError, match="power of two"):
-        G.fp8_gemv(x[:1], w, s, config=G.Fp8GemvConfig(16, 48))
+        G.fp8_gemv(x[:1], w, s, config=TileConfig(block_n=16, block_k=48, num_stages=1))
 
 
 def test_fp8_linear_routes_few_tokens_to_the_gemv(monkeypatch, gen):

@@ -1,4 +1,4 @@
-"""The fused MoE kernels (layers/moe/fused_moe.py) vs the torch reference (layers/moe/reference.py).
+"""The fused MoE kernels (kernels/moe/fused_moe.py) vs the torch reference (kernels/moe/reference.py).
 
 Without CUDA the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1,
 tests/triton_interpreter_shims.py fixes its bf16 dot and rounding); sizes are small and odd (H, I not
@@ -14,8 +14,9 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.moe import fused_moe as FM  # noqa: E402
-from splitserve.layers.moe.reference import align_pairs_ref, fused_moe_ref  # noqa: E402
+from splitserve.kernels.moe import fused_moe as FM  # noqa: E402
+from splitserve.kernels.moe.reference import align_pairs_ref, fused_moe_ref  # noqa: E402
+from splitserve.kernels.ops import fused_moe_op  # noqa: E402
 from splitserve.layers.moe.router import topk_route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,8 +143,8 @@ def test_op_cpu_path_and_fake():
     g = torch.Generator().manual_seed(3)
     x, w13, w2, weights, ids = inputs(6, 4, 2, torch.float32, g)
     if DEVICE == "cpu":  # the op's CPU path is the reference
-        torch.testing.assert_close(FM.fused_moe_op(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
-    torch.library.opcheck(FM.fused_moe_op, (x, w13, w2, weights, ids),
+        torch.testing.assert_close(fused_moe_op(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
+    torch.library.opcheck(fused_moe_op, (x, w13, w2, weights, ids),
                           test_utils=("test_schema", "test_faketensor"))
 
 

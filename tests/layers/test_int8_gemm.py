@@ -1,4 +1,4 @@
-"""W8A8 INT8 kernels (quant_kernels/int8_gemm.py) against plain torch references.
+"""W8A8 INT8 kernels (kernels/gemm/int8/int8_gemm.py) against plain torch references.
 
 Without CUDA the kernels run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1,
 tests/triton_interpreter_shims.py fixes its bf16 rounding). The int32 accumulator is exact, so it is
@@ -13,8 +13,10 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
+from splitserve.kernels.gemm import tiles  # noqa: E402
+from splitserve.kernels.gemm.int8 import int8_gemm as G  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
 from splitserve.layers.linear import Linear  # noqa: E402
-from splitserve.layers.quant_kernels import int8_gemm as G  # noqa: E402
 from splitserve.layers.quantization import ops  # noqa: E402
 from splitserve.layers.quantization.int8 import Int8LinearMethod, Int8Scheme  # noqa: E402
 
@@ -82,10 +84,10 @@ def test_quantize_long_rows_ties_and_static_scale(gen):
 # (M, N, K): masked K tails, partial M and N tiles, several K tiles, one row
 SHAPES = [(37, 72, 208), (1, 40, 96), (70, 33, 160)]
 CONFIGS = {
-    "pointers": G.Int8Config(32, 32, 64, num_warps=4),
-    "pointers_bk128": G.Int8Config(16, 64, 128, group_m=2),
-    "tma": G.Int8Config(32, 32, 32, tma=True),
-    "tma_ws": G.Int8Config(32, 32, 32, num_warps=4, tma=True, warp_spec=True),
+    "pointers": TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4),
+    "pointers_bk128": TileConfig(block_m=16, block_n=64, block_k=128, group_m=2),
+    "tma": TileConfig(block_m=32, block_n=32, block_k=32, tma=True),
+    "tma_ws": TileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, tma=True, warp_spec=True),
 }
 
 
@@ -105,7 +107,7 @@ def test_int32_accumulator_is_exact(shape, name, gen):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_scaled_output_with_and_without_bias(name, out_dtype, gen):
     M, N, K = 37, 72, 208
-    cfg = {**CONFIGS, "split_k3": G.Int8Config(16, 32, 32, split_k=3), "default": None}[name]
+    cfg = {**CONFIGS, "split_k3": TileConfig(block_m=16, block_n=32, block_k=32, split_k=3), "default": None}[name]
     x = torch.randn(M, K, generator=gen, device=DEVICE, dtype=out_dtype)
     q, s = G.quantize_int8_per_token(x)
     w = rand_int8((N, K), gen)
@@ -120,7 +122,7 @@ def test_default_config_splits_k_for_few_tokens(gen):
     # the table's few-token rule (split-K over a wide K) against the reference, twice: the split-K
     # counters must be back at zero for the second call
     M, N, K = 3, 48, 2048
-    cfg = G.default_int8_config(M, N, K)
+    cfg = tiles.int8_gemm_tiles(M, N, K)
     assert cfg.split_k > 1 and cfg.block_m == 16
     w = rand_int8((N, K), gen)
     ws = torch.rand(N, generator=gen, device=DEVICE) * 1e-3
@@ -166,12 +168,12 @@ def test_layer_gpu_matmul_matches_its_emulation(activations, gen):
         torch.testing.assert_close(compiled(x[:m]), got[:m], rtol=0, atol=0)
 
 
-SYNC_TILES = [n for n, c in G.INT8_TILES.items() if not c.async_mma]
+SYNC_TILES = [n for n, c in tiles.INT8_TILES.items() if not c.async_mma]
 
 
 def test_named_tiles_are_named_by_their_fields():
-    assert len(G.INT8_TILES) <= 10  # the device sweep compiles each once
-    for name, cfg in G.INT8_TILES.items():
+    assert len(tiles.INT8_TILES) <= 10  # the device sweep compiles each once
+    for name, cfg in tiles.INT8_TILES.items():
         assert cfg.name == name and cfg.tma and cfg.split_k == 1
         assert cfg.async_mma == name.startswith("async_") and cfg.warp_spec == name.startswith("tmaws_")
 
@@ -184,15 +186,15 @@ def test_named_triton_tiles_are_exact(name, gen):
     q, w = rand_int8((M, K), gen), rand_int8((N, K), gen)
     q[0, :] = -128
     w[0, :] = -128
-    acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=G.INT8_TILES[name])
+    acc = G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=tiles.INT8_TILES[name])
     assert torch.equal(acc, exact_acc(q, w))
 
 
 def test_table_async_tile_falls_back_without_tma(gen, monkeypatch):
     # a table entry naming the async kernel runs the pointer kernel with the same tile where TMA
     # cannot load the tensors (K % 16 != 0)
-    monkeypatch.setattr(G, "INT8_CONFIG_TABLE", [(1 << 62, G.INT8_TILES["async_64x128x128_w4s4"])])
-    cfg = G.default_int8_config(300, 72, 200)
+    monkeypatch.setattr(tiles, "INT8_CONFIG_TABLE", [(1 << 62, tiles.INT8_TILES["async_64x128x128_w4s4"])])
+    cfg = tiles.int8_gemm_tiles(300, 72, 200)
     assert cfg.async_mma and cfg.split_k == 1
     M, N, K = 70, 72, 200
     x = torch.randn(M, K, generator=gen, device=DEVICE, dtype=torch.bfloat16)
@@ -238,9 +240,11 @@ def test_bad_inputs_raise_value_errors(gen):
     with pytest.raises(ValueError, match="no scales"):
         G.int8_gemm(q, s, w, ws, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="split-K"):
-        G.int8_gemm(q, None, w, None, out_dtype=torch.int32, config=G.Int8Config(16, 32, 16, split_k=2))
+        G.int8_gemm(q, None, w, None, out_dtype=torch.int32,
+                    config=TileConfig(block_m=16, block_n=32, block_k=16, split_k=2))
     with pytest.raises(ValueError, match="TMA kernel needs"):
-        G.int8_gemm(rand_int8((4, 40), gen), s, rand_int8((32, 40), gen), ws, config=G.Int8Config(16, 32, 32, tma=True))
+        G.int8_gemm(rand_int8((4, 40), gen), s, rand_int8((32, 40), gen), ws,
+                    config=TileConfig(block_m=16, block_n=32, block_k=32, tma=True))
     with pytest.raises(ValueError, match="static activation scale"):
         G.quantize_int8_per_token(torch.randn(2, 8, device=DEVICE), torch.ones(2, device=DEVICE))
     with pytest.raises(ValueError, match="activations"):

@@ -15,7 +15,7 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.moe import fused_moe as FM  # noqa: E402
+from splitserve.kernels.moe import fused_moe as FM  # noqa: E402
 from splitserve.layers.moe.layer import FusedMoE, checkpoint_target  # noqa: E402
 
 LAYER = "model.layers.0."

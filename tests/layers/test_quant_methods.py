@@ -266,9 +266,9 @@ def test_ignore_lists_match_every_spelling_of_a_module_name():
 def test_wna16_custom_op_is_opaque_and_matches_the_reference():
     """splitserve::wna16_linear (what CUDA layers call) passes torch.library's checks, incl. its
     fake (shape-only) implementation used by torch.compile; on CPU it is the torch reference."""
-    from splitserve.layers.quant_kernels.reference import wna16_gemm_ref
-    from splitserve.layers.quant_kernels.wna16_layout import quantize_rtn
-    from splitserve.layers.quantization.wna16 import wna16_linear_op
+    from splitserve.kernels.gemm.reference import wna16_gemm_ref
+    from splitserve.kernels.gemm.wna16.wna16_layout import quantize_rtn
+    from splitserve.kernels.ops import wna16_linear_op
     torch.manual_seed(0)
     w = quantize_rtn(torch.randn(64, 128), bits=4, group_size=32, symmetric=False)
     x, bias = torch.randn(3, 128), torch.randn(64)

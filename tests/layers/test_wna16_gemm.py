@@ -1,10 +1,12 @@
-"""Weight-only int4/int8 GEMM (quant_kernels/wna16_gemm.py) and its canonical layout
+"""Weight-only int4/int8 GEMM (kernels/gemm/wna16/wna16_gemm.py) and its canonical layout
 (wna16_layout.py) vs plain torch.
 
 The checkpoint formats are packed here by loops written from each format's description (GPTQ,
 AWQ, compressed-tensors), independent of the converters under test; the expected dense weight is
 computed from the integers before packing. Kernels run in the Triton interpreter on CPU.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +15,10 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as W  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_layout as L  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as W  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_layout as L  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -191,9 +194,9 @@ def test_quantize_rtn_error_is_small():
 
 CONFIGS = {
     "default": None,
-    "split3": W.WNA16Config(16, 32, 32, split_k=3),
-    "bcast": W.WNA16Config(16, 32, 64, split_k=2, unpack_bcast=True),
-    "tiled": W.WNA16Config(64, 64, 32, num_warps=4, num_stages=2),
+    "split3": TileConfig(block_m=16, block_n=32, block_k=32, split_k=3),
+    "bcast": TileConfig(block_m=16, block_n=32, block_k=64, split_k=2, unpack_bcast=True),
+    "tiled": TileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2),
 }
 
 
@@ -209,7 +212,7 @@ def test_wna16_gemm_matches_reference(cfg, bits, G, asym, dtype):
     perm = torch.randperm(K, device=DEVICE).to(torch.int32) if cfg == "split3" else None
     c = CONFIGS[cfg]
     if c is not None and G % c.block_k:
-        c = W.WNA16Config(c.block_m, c.block_n, G, c.split_k, c.num_warps, c.num_stages, c.unpack_bcast)
+        c = replace(c, block_k=G)
     out = W.wna16_gemm(x, w.qweight, w.scales, w.zeros, bits=bits, group_size=G, perm=perm, bias=bias, config=c)
     assert out.dtype == dtype and out.shape == (M, N)
     ref = R.wna16_gemm_ref(x, w.qweight, w.scales, w.zeros, bits=bits, group_size=G, perm=perm, bias=bias)
@@ -221,7 +224,7 @@ def test_wna16_more_m_tiles_and_counter_reuse():
     w = L.quantize_rtn(torch.randn(N, K, device=DEVICE) * 0.05, 4, G, symmetric=False)
     for M in (17, 33):  # two M tiles of 16 / 32 rows, split-K both times
         x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-        cfg = W.WNA16Config(16 if M == 17 else 32, 32, 32, split_k=4)
+        cfg = TileConfig(block_m=16 if M == 17 else 32, block_n=32, block_k=32, split_k=4)
         out = W.wna16_gemm(x, w.qweight, w.scales, w.zeros, bits=4, group_size=G, config=cfg)
         assert_close_out(out, R.wna16_gemm_ref(x, w.qweight, w.scales, w.zeros, bits=4, group_size=G))
 
@@ -247,7 +250,7 @@ def test_wna16_linear_dispatch_and_errors():
         W.wna16_gemm(x.reshape(6, 128)[:, :64], w.qweight, w.scales, w.zeros, bits=4, group_size=128)
     with pytest.raises(ValueError, match="block_k"):
         W.wna16_gemm(x.reshape(6, 128), w.qweight, w.scales, w.zeros, bits=4, group_size=128,
-                     config=W.WNA16Config(16, 32, 96))
+                     config=TileConfig(block_m=16, block_n=32, block_k=96))
     with pytest.raises(ValueError, match="bias"):
         W.wna16_gemm(x.reshape(6, 128), w.qweight, w.scales, w.zeros, bits=4, group_size=128,
                      bias=torch.zeros(3, device=DEVICE, dtype=torch.bfloat16))

@@ -1,5 +1,5 @@
-"""The decode GEMV for weight-only int4/int8 (quant_kernels/wna16_gemv.py) vs the plain torch
-reference (quant_kernels/reference.py), on fresh random weights and activations.
+"""The decode GEMV for weight-only int4/int8 (kernels/gemm/wna16/wna16_gemv.py) vs the plain torch
+reference (kernels/gemm/reference.py), on fresh random weights and activations.
 
 Shapes are small (the kernels run in the Triton interpreter on CPU) but cover what the kernel
 treats apart: a partial last N tile and N a multiple of the tile (unmasked loads), K not a multiple
@@ -13,10 +13,12 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as W  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemv as V  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_layout as L  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm import tiles  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as W  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemv as V  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_layout as L  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,7 +49,7 @@ def run_and_check(M, N, K, bits, G, asym, dtype, *, perm=False, bias=False, conf
 
 # block_n 32 over N = 80: three N tiles, the last one partial; split 3 over K = 256 in K tiles of
 # 32: slices of 96, 96 and 64 values
-SPLIT3 = V.WNA16GemvConfig(block_n=32, block_k=32, split_k=3, num_warps=1)
+SPLIT3 = TileConfig(block_n=32, block_k=32, split_k=3, num_warps=1, num_stages=1)
 
 
 @pytest.mark.parametrize("bits,G,asym,dtype,M", [
@@ -71,14 +73,14 @@ def test_gemv_act_order(bits, asym, dtype):
 @pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16)])
 def test_gemv_prefetch(bits, dtype):
     # the next K tile's words loaded ahead: the last tile of each slice must not read past it
-    cfg = V.WNA16GemvConfig(block_n=32, block_k=32, split_k=3, num_warps=1, prefetch=True)
+    cfg = TileConfig(block_n=32, block_k=32, split_k=3, num_warps=1, num_stages=1, prefetch=True)
     run_and_check(2, 80, 256, bits, 64, True, dtype, bias=True, config=cfg)
 
 
 def test_gemv_eight_rows_even_n_no_split():
     # N a multiple of block_n (unmasked loads), one K slice (no split-K), the most rows allowed
     run_and_check(8, 64, 128, 4, 32, True, torch.bfloat16,
-                  config=V.WNA16GemvConfig(block_n=32, block_k=32, split_k=1, num_warps=1))
+                  config=TileConfig(block_n=32, block_k=32, split_k=1, num_warps=1, num_stages=1))
 
 
 def test_gemv_default_config_and_counter_reuse():
@@ -86,7 +88,7 @@ def test_gemv_default_config_and_counter_reuse():
     # split-K counters must have reset themselves
     N, K, G = 96, 512, 128
     w = weight(N, K, 4, G, False)
-    cfg = V.default_gemv_config(1, N, K, 4, G)
+    cfg = tiles.wna16_gemv_tiles(1, N, K, 4, G)
     assert cfg.split_k > 1
     for _ in range(2):
         x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
@@ -119,7 +121,8 @@ def test_gemv_errors():
     with pytest.raises(ValueError, match="packs K"):
         V.wna16_gemv(x[:, :64], w.qweight, w.scales, None, bits=4, group_size=32)
     with pytest.raises(ValueError, match="block_k"):
-        V.wna16_gemv(x, w.qweight, w.scales, None, bits=4, group_size=32, config=V.WNA16GemvConfig(32, 64))
+        V.wna16_gemv(x, w.qweight, w.scales, None, bits=4, group_size=32,
+                     config=TileConfig(block_n=32, block_k=64, num_stages=1))
     with pytest.raises(ValueError, match="bias"):
         V.wna16_gemv(x, w.qweight, w.scales, None, bits=4, group_size=32,
                      bias=torch.zeros(3, device=DEVICE, dtype=torch.bfloat16))

@@ -1,4 +1,4 @@
-"""The many-token W4A16 / W8A16 kernel (quant_kernels/wna16_tiled.py) vs plain torch.
+"""The many-token W4A16 / W8A16 kernel (kernels/gemm/wna16/wna16_tiled.py) vs plain torch.
 
 Two references: the fp32 matmul of the dequantized weight (the meaning), and today's large-M path,
 the dequantize kernel's weight in the activation dtype times x in fp32: the tiled kernel dequantizes
@@ -12,10 +12,11 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.layers.quant_kernels import reference as R  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_gemm as W  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_layout as L  # noqa: E402
-from splitserve.layers.quant_kernels import wna16_tiled as T  # noqa: E402
+from splitserve.kernels.gemm import reference as R  # noqa: E402
+from splitserve.kernels.gemm.tiles import TileConfig  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_gemm as W  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_layout as L  # noqa: E402
+from splitserve.kernels.gemm.wna16 import wna16_tiled as T  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,7 +52,7 @@ def test_tiled_matches_reference(swap, bits, G, asym, dtype, scale_dtype):
     x = torch.randn(M, K, device=DEVICE, dtype=dtype)
     w = random_weight(N, K, bits, G, asym, scale_dtype)
     bias = torch.randn(N, device=DEVICE, dtype=dtype) if asym else None
-    cfg = T.WNA16TiledConfig(32, 64, 32, num_warps=4, num_stages=2, swap_ab=swap)
+    cfg = TileConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2, swap_ab=swap)
     out = T.wna16_tiled_gemm(x, w.qweight, w.scales, w.zeros, bits=bits, group_size=G, bias=bias, config=cfg)
     assert out.shape == (M, N)
     check(out, x, w, bits, G, bias, dtype)
@@ -62,7 +63,7 @@ def test_tiled_block_k_equal_to_group_and_default_config():
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     w = random_weight(N, K, 4, G, True)
     bias = torch.randn(N, device=DEVICE, dtype=torch.bfloat16)
-    cfg = T.WNA16TiledConfig(16, 32, 32, num_warps=4, num_stages=2)  # one group per K tile
+    cfg = TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)  # one group per K tile
     out = T.wna16_tiled_gemm(x, w.qweight, w.scales, w.zeros, bits=4, group_size=G, bias=bias, config=cfg)
     check(out, x, w, 4, G, bias, torch.bfloat16)
     out = T.wna16_tiled_gemm(x, w.qweight, w.scales, w.zeros, bits=4, group_size=G, bias=bias)  # default tiles
@@ -74,7 +75,7 @@ def test_tiled_errors_and_route(monkeypatch):
     x = torch.randn(4, 128, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="block_k"):
         T.wna16_tiled_gemm(x, w.qweight, w.scales, None, bits=4, group_size=64,
-                           config=T.WNA16TiledConfig(16, 32, 128))
+                           config=TileConfig(block_m=16, block_n=32, block_k=128, num_stages=3))
     assert W.wna16_route(W.WNA16_TILED_MAX_M) == "tiled"  # 256 from the H100 sweep
     assert W.wna16_route(W.WNA16_TILED_MAX_M + 1) == "dequant"
     monkeypatch.setattr(W, "WNA16_TILED_MAX_M", 1024)

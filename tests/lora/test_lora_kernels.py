@@ -1,5 +1,5 @@
-"""LoRA shrink/expand: the Triton kernels (lora/kernels.py, in the interpreter on CPU) and the torch
-reference (lora/ops.py) against a plain per-token definition written here, on the static step layout
+"""LoRA shrink/expand: the Triton kernels (kernels/lora/shrink_expand.py, in the interpreter on CPU) and the torch
+reference (kernels/lora/lora_add.py) against a plain per-token definition written here, on the static step layout
 (lora/ops.fill_layout). Inputs have padding rows past the step's tokens, as a CUDA graph's padded
 batch has: they must stay untouched. Odd sizes so the masks of partial tiles are exercised."""
 import numpy as np
@@ -10,8 +10,8 @@ from tests import triton_interpreter_shims
 
 triton_interpreter_shims.install()
 
-from splitserve.lora import kernels  # noqa: E402
-from splitserve.lora.ops import TILE, LoRALayout, fill_layout, lora_add_impl, max_tiles  # noqa: E402
+from splitserve.kernels.lora import shrink_expand as kernels  # noqa: E402
+from splitserve.kernels.lora.lora_add import TILE, LoRALayout, fill_layout, lora_add_impl, max_tiles  # noqa: E402
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ it, cleared once after the last step with adapters and then left alone, and the 
 from it. Expected layouts are computed here from the rows' adapter ids, not by the code under test."""
 import numpy as np
 
+from splitserve.kernels.lora.lora_add import TILE, LoRALayout
 from splitserve.lora.layers import LoRAModel, LoRAState
-from splitserve.lora.ops import TILE, LoRALayout
-from splitserve.protocol.lora import LoRASlotLoad
 from splitserve.lora.worker import LoRAWorker
+from splitserve.protocol.lora import LoRASlotLoad
 
 S, MAX_TOKENS = 4, 48
 

@@ -64,7 +64,7 @@ def test_precompile_needs_no_size_one(monkeypatch):
     # before the model (and so its methods) exists. The decode kernel's variant is (splits > 1), and
     # a graph of 1 gets at least the splits of the graph of 2, at the same block-table stride.
     pytest.importorskip("triton")
-    from splitserve.attention.ops import paged_attention
+    from splitserve.kernels.attention import paged_attention
     from splitserve.startup.kernel_precompile import precompile_launches
     monkeypatch.setattr(paged_attention, "_num_sms", lambda index: pytest.fail("asked CUDA for the SM count"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.attention.ops.paged_attention import ragged_variant
+from splitserve.kernels.attention.paged_attention import ragged_variant
 from splitserve.worker.model_runner import warm_up_layouts
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.moe.fused_moe import fused_moe_op
+from splitserve.kernels.ops import fused_moe_op
 from splitserve.layers.moe.router import topk_route
 
 _PREFIX = r"(?:block_sparse_moe|mlp)"

@@ -276,16 +276,3 @@ def same_method(methods: list[LinearMethod], names: list[str]) -> LinearMethod:
 def method_for(quant_config: QuantConfig | None, *names: str) -> LinearMethod:
     """What model code calls: the method of the layer standing for the checkpoint modules `names`."""
     return UNQUANTIZED if quant_config is None else quant_config.linear_method(list(names))
-
-
-def opaque_linear_op(name: str, fn):
-    """`fn(x, w, w_scale, bias) -> [rows of x, w.shape[0]]` registered as the custom op
-    `splitserve::<name>`: one opaque call for torch.compile, so the Python branch on the token count
-    inside `fn` never becomes a guard per size, and its Triton launches (split-K counters) stay out
-    of the traced graph."""
-    def call(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fn(x, w, w_scale, bias)
-
-    op = torch.library.custom_op(f"splitserve::{name}", call, mutates_args=())
-    op.register_fake(lambda x, w, w_scale, bias: x.new_empty((x.shape[0], w.shape[0])))
-    return op

@@ -17,11 +17,11 @@ them per output channel once loading is done; activations are per token.
 On CPU the layer is emulated: activations are quantized exactly as on the GPU, then both sides are
 dequantized and multiplied in float32 (what the checkpoint's own library computes as reference).
 `Fp8LinearMethod.gpu_matmul` is where the GPU matmul is chosen: dynamic per-token activations with
-per-channel (or per-shard) weight scales go to `quant_kernels.fp8_linear` (our split-K Triton kernel
+per-channel (or per-shard) weight scales go to `kernels.gemm.fp8_linear` (our split-K Triton kernel
 for few tokens, torch._scaled_mm for many), as a custom op so that torch.compile treats it as one
 opaque call; static activation scales use torch._scaled_mm directly. A gated MLP's down projection
 with those activations takes gate_up instead (`apply_silu_mul`, the op `splitserve::silu_mul_fp8_linear`):
-one kernel computes silu(gate) * up and its per-token quantization (quant_kernels/act_quant.py).
+one kernel computes silu(gate) * up and its per-token quantization (kernels/gemm/act_quant.py).
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant_kernels.act_quant import silu_mul_fp8_linear
-from splitserve.layers.quant_kernels.fp8_gemm import fp8_linear, fp8_route, scaled_mm_linear
+from splitserve.kernels.gemm.fp8.fp8_gemm import fp8_route, scaled_mm_linear
+from splitserve.kernels.ops import fp8_linear_op, silu_mul_fp8_linear_op
 from splitserve.layers.quantization import ops
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, name_variants,
-                                                 opaque_linear_op, register_param, replace_param, same_method)
+                                                 register_param, replace_param, same_method)
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_STRATEGIES = ("static", "token", "group", "none")
@@ -213,11 +213,6 @@ class Fp8LinearMethod(LinearMethod):
         return super().apply_silu_mul(layer, gate_up)
 
 
-# Opaque ops for the compiler (see opaque_linear_op): fp8_linear picks a kernel by the token count;
-# the silu·mul one takes gate_up [M, 2I] and keeps its branch on M (h for the few-token kernel, the
-# fused quantization of act_quant.py above) inside one call.
-fp8_linear_op = opaque_linear_op("fp8_linear", fp8_linear)
-silu_mul_fp8_linear_op = opaque_linear_op("silu_mul_fp8_linear", silu_mul_fp8_linear)
 
 
 # -- the "fp8" quantization config ------------------------------------------------------------------

@@ -4,7 +4,7 @@ int8 activations with a dynamic scale per token (or one static per-tensor scale)
 itself is already folded into the weights and the preceding norms, so serving needs nothing else.
 
 On CPU the layer is emulated (activations quantized as on the GPU, both sides dequantized, float32
-matmul). On CUDA `Int8LinearMethod.gpu_matmul` calls quant_kernels.int8_linear (a one-launch
+matmul). On CUDA `Int8LinearMethod.gpu_matmul` calls kernels.gemm.int8_linear (a one-launch
 per-token quantization, then a Triton int8 GEMM with the scales, bias and cast in its epilogue) as the
 custom op `splitserve::int8_linear`, which torch.compile treats as one opaque call. A gated MLP's
 down projection with dynamic activations takes gate_up instead (`apply_silu_mul`, the op
@@ -18,11 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant_kernels.act_quant import silu_mul_int8_linear
-from splitserve.layers.quant_kernels.int8_gemm import int8_linear
+from splitserve.kernels.ops import int8_linear_op, silu_mul_int8_linear_op
 from splitserve.layers.quantization import ops
-from splitserve.layers.quantization.base import (LinearMethod, ParamLayout, opaque_linear_op, register_param,
-                                                 replace_param)
+from splitserve.layers.quantization.base import LinearMethod, ParamLayout, register_param, replace_param
 
 @dataclass(frozen=True)
 class Int8Scheme:
@@ -108,7 +106,7 @@ class Int8LinearMethod(LinearMethod):
         One op for every token count (no branch on M in the traced graph): the activations are
         quantized per token (or with the static scale) in one launch, then the Triton GEMM
         accumulates in int32 and applies both scales and the bias before writing bf16/fp16
-        (quant_kernels/int8_gemm.py; its tile table splits K for few tokens)."""
+        (kernels/gemm/int8/int8_gemm.py; its tile table splits K for few tokens)."""
         input_scale = layer.input_scale if self.scheme.activations == "static" else None
         return int8_linear_op(x, layer.weight, layer.weight_scale, layer.bias, input_scale)
 
@@ -127,17 +125,3 @@ class Int8LinearMethod(LinearMethod):
         return super().apply_silu_mul(layer, gate_up)
 
 
-# Opaque to the compiler: the kernels pick tiles by the token count (a Python branch that Dynamo
-# must not turn into a guard per size) and may use split-K counters.
-@torch.library.custom_op("splitserve::int8_linear", mutates_args=())
-def int8_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                   input_scale: torch.Tensor | None) -> torch.Tensor:
-    return int8_linear(x, w, w_scale, bias, input_scale=input_scale)
-
-
-@int8_linear_op.register_fake
-def _(x, w, w_scale, bias, input_scale):
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-silu_mul_int8_linear_op = opaque_linear_op("silu_mul_int8_linear", silu_mul_int8_linear)

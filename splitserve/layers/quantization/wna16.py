@@ -9,9 +9,9 @@ loader cuts merged shards (QKV, gate/up) out of them:
     ct     weight_packed int32 [N, K/P]   weight_scale [N, K/G]   weight_zero_point int32 [N/P, K/G]
            (asymmetric)   weight_g_idx [K] (actorder "group")   weight_shape (checked, not stored)
 
-After loading they are converted once into the one canonical layout (quant_kernels/wna16_layout.py)
+After loading they are converted once into the one canonical layout (kernels/gemm/wna16/wna16_layout.py)
 and replaced by `qweight`, `scales`, optional `zeros` and `perm`. On CUDA `apply` runs
-`quant_kernels.wna16_linear` (split-K Triton kernel for few tokens, dequantize + cuBLAS for many)
+`kernels.gemm.wna16_linear` (split-K Triton kernel for few tokens, dequantize + cuBLAS for many)
 as the custom op `splitserve::wna16_linear`, opaque to torch.compile; elsewhere the torch reference
 (dequantize, matmul in float32).
 """
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitserve.layers.quant_kernels.wna16_gemm import wna16_linear, wna16_route
-from splitserve.layers.quant_kernels.wna16_layout import (WNA16Weight, from_awq, from_compressed_tensors, from_gptq,
+from splitserve.kernels.gemm.wna16.wna16_gemm import wna16_linear, wna16_route
+from splitserve.kernels.gemm.wna16.wna16_layout import (WNA16Weight, from_awq, from_compressed_tensors, from_gptq,
                                                           quantize_rtn)
+from splitserve.kernels.ops import wna16_linear_op
 from splitserve.layers.quantization.base import (UNQUANTIZED, LinearMethod, ParamLayout, QuantConfig, register_param,
                                                  replace_param, same_method)
 
@@ -212,19 +213,6 @@ class WNA16LinearMethod(LinearMethod):
         # step at 1 and 2 tokens on the H100 (wna16_gemm.WNA16_GEMV_MAX_M). The split-K kernel pads
         # x to 16 rows, so one token costs what two do.
         return layer.wna16_kernel and wna16_route(1, bits=layer.wna16_bits, has_zeros=layer.zeros is not None) == "gemv"
-
-
-# Opaque to the compiler: wna16_linear branches on the token count and launches Triton kernels
-# with split-K counters (as splitserve::fp8_linear).
-@torch.library.custom_op("splitserve::wna16_linear", mutates_args=())
-def wna16_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    perm: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
-    return wna16_linear(x, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, bias=bias)
-
-
-@wna16_linear_op.register_fake
-def _(x, qweight, scales, zeros, perm, bias, bits, group_size):
-    return x.new_empty((x.shape[0], qweight.shape[1]))
 
 
 # -- the "gptq" and "awq" quantization configs -------------------------------------------------------

@@ -43,73 +43,15 @@ kernel in Gluon with the MMA asynchronous.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels.wna16_layout import check_wna16_call
-
-_F32_MAGIC_BITS = 0x4B000000  # fp32 2**23: OR-ing q < 2**23 into its mantissa gives exactly 2**23 + q
-_F32_MAGIC = tl.constexpr(8388608.0)
-
-
-@dataclass(frozen=True)
-class WNA16TiledConfig:
-    block_m: int          # tokens per tile
-    block_n: int          # output features per tile
-    block_k: int          # divides the group size
-    num_warps: int = 4
-    num_stages: int = 3
-    swap_ab: bool = False
-
-
-@triton.jit
-def _value(half, i: tl.constexpr, s, c, magic, BITS: tl.constexpr, dtype: tl.constexpr):
-    """Value i of a 16-bit half word (its low bits, or the word >> 16), dequantized without a shift:
-    masked in place and OR-ed into the mantissa of 2**23 it is exactly 2**23 + q * 2**(BITS * i),
-    so (that - (2**23 + z * 2**(BITS * i))) * (s * 2**-(BITS * i)) is the exact (q - z) * s rounded
-    once to fp32, as the dequantize kernel computes it. c, s: those per-column constants for i.
-    magic is 0x4B000000 passed at run time: as a register it lets (half & mask) | magic be one LOP3
-    (an instruction takes one immediate; with both constants ptxas emitted two)."""
-    f = ((half & (((1 << BITS) - 1) << (i * BITS))) | magic).to(tl.float32, bitcast=True)
-    return ((f - c) * s).to(dtype)
-
-
-@triton.jit
-def _dequant_tile_t(words, s, z, magic, BITS: tl.constexpr, dtype: tl.constexpr):
-    """Packed words [BLOCK_N, BLOCK_K // P] (uint32) -> the weight tile [BLOCK_N, BLOCK_K] in K order;
-    s, z: fp32 [BLOCK_N, 1].
-
-    Only elementwise ops on the words' own layout, then joins: each thread keeps its words' P values
-    next to each other (K contiguous), so the tile reaches shared memory in 16-byte stores rather
-    than one 16-bit store per value (what a broadcast over a [words, P, N] tensor compiled to).
-    The join nesting puts value j at K offset ORDER[j] of the canonical layout: join(a, b) adds a
-    last axis, so the outermost join picks the lowest bit of the K offset."""
-    BN: tl.constexpr = words.shape[0]
-    KW: tl.constexpr = words.shape[1]
-    E: tl.constexpr = 1 << BITS  # 2**BITS: the step between value positions
-    hi = words >> 16
-    c0 = z + _F32_MAGIC
-    c1 = z * E + _F32_MAGIC
-    s1 = s * (1.0 / E)
-    if BITS == 4:  # K offsets 0..7 hold values 0, 4, 1, 5, 2, 6, 3, 7; values 4..7 are hi's 0..3
-        c2 = z * (E * E) + _F32_MAGIC
-        c3 = z * (E * E * E) + _F32_MAGIC
-        s2 = s * (1.0 / (E * E))
-        s3 = s * (1.0 / (E * E * E))
-        lo = tl.join(
-            tl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(words, 2, s2, c2, magic, BITS, dtype)),
-            tl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(words, 3, s3, c3, magic, BITS, dtype)))
-        up = tl.join(
-            tl.join(_value(hi, 0, s, c0, magic, BITS, dtype), _value(hi, 2, s2, c2, magic, BITS, dtype)),
-            tl.join(_value(hi, 1, s1, c1, magic, BITS, dtype), _value(hi, 3, s3, c3, magic, BITS, dtype)))
-        return tl.reshape(tl.join(lo, up), (BN, KW * 8))
-    else:  # natural order: values 0, 1 in the low half, 2, 3 in hi
-        w = tl.join(tl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(hi, 0, s, c0, magic, BITS, dtype)),
-                    tl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(hi, 1, s1, c1, magic, BITS, dtype)))
-        return tl.reshape(w, (BN, KW * 4))
+from splitserve.kernels.gemm.tiles import TileConfig, wna16_tiled_tiles
+from splitserve.kernels.gemm.wna16.dequant import F32_MAGIC_BITS as _F32_MAGIC_BITS
+from splitserve.kernels.gemm.wna16.dequant import dequant_tile_t as _dequant_tile_t
+from splitserve.kernels.gemm.wna16.wna16_layout import check_wna16_call
 
 
 # M changes every step: one compile for all token counts (it is only used in % and masks)
@@ -171,15 +113,6 @@ def _wna16_tiled_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def default_tiled_config(M: int, N: int, K: int, group_size: int) -> WNA16TiledConfig:
-    """Tiles for the interpreter tests and the sweep's default. Not tuned: on the H100 sweep
-    (benchmarks/wna16_tiled.py) no tile of this kernel beat dequantize + cuBLAS, so no route runs it."""
-    block_k = 64 if group_size % 64 == 0 else group_size
-    if M <= 64:
-        return WNA16TiledConfig(64, 128, block_k, 4, 3, swap_ab=True)
-    return WNA16TiledConfig(128, 128, block_k, 4, 3)
-
-
 def wna16_tiled_supports(N: int, group_size: int, has_perm: bool) -> bool:
     """Whether wna16_tiled_gemm takes this weight: no act-order, K tiles inside one group, and N a
     multiple of 16 (otherwise Triton 3.6 fails to compile the kernel for sm_90: "Illegal shared
@@ -189,14 +122,14 @@ def wna16_tiled_supports(N: int, group_size: int, has_perm: bool) -> bool:
 
 def wna16_tiled_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      *, bits: int, group_size: int, bias: torch.Tensor | None = None,
-                     config: WNA16TiledConfig | None = None) -> torch.Tensor:
+                     config: TileConfig | None = None) -> torch.Tensor:
     """x bf16/fp16 [M, K] times the canonical weight -> [M, N] in x's dtype (module docstring)."""
     M, K, N = check_wna16_call(x, qweight, scales, zeros, bits, group_size, None, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = config or default_tiled_config(M, N, K, group_size)
+    cfg = config or wna16_tiled_tiles(M, N, K, group_size)
     P = 32 // bits
     if not wna16_tiled_supports(N, group_size, False):
         raise ValueError(f"N={N} must be a multiple of 16 and group_size={group_size} of 16")

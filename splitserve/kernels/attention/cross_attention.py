@@ -1,6 +1,6 @@
 """Triton cross-attention over the paged cache (encoder-decoder models), on the self-attention kernels.
 
-Layouts are attention/cross_ref.py's: q [T, Hq, D] of the step's decoder tokens, sequence i owning
+Layouts are kernels/attention/cross_ref.py's: q [T, Hq, D] of the step's decoder tokens, sequence i owning
 rows query_start_loc[i]:query_start_loc[i + 1]; its encoder K/V are enc_lens[i] positions read
 through its cross block table, in the same [num_blocks, 2, block_size, Hkv, D] cache tensor as the
 decoder's own blocks. Every query sees every encoder position: no causal mask, no window, no bias.
@@ -13,14 +13,14 @@ Cross-attention needs no kernel of its own:
     graph captured at the state's fixed sizes replays it for any lengths within them.
   * any other step (several queries of a sequence: a decoder prompt longer than one token, or the
     recompute after a preemption) is the ragged kernel with CAUSAL=False.
-The encoder K/V are stored as the reference stores them (attention/cross_ref.store_cross_kv_ref:
+The encoder K/V are stored as the reference stores them (cross_ref.store_cross_kv_ref:
 cast to the cache's dtype, unscaled), so an FP8 cache is read with scale 1.
 """
 from __future__ import annotations
 
 import torch
 
-from splitserve.attention.ops.paged_attention import default_num_splits, paged_decode_attention, ragged_paged_attention
+from splitserve.kernels.attention.paged_attention import default_num_splits, paged_decode_attention, ragged_paged_attention
 
 
 def is_cross_decode(num_tokens: int, num_seqs: int, max_query_len: int) -> bool:

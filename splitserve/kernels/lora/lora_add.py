@@ -11,12 +11,13 @@ with the delta read each step's layout at replay:
     token_rows  [max_tiles * TILE]     the flat rows of the tokens that have an adapter, grouped by slot,
                                        each slot's group padded with -1 to a whole number of TILE rows
 
-A tile is TILE consecutive entries of token_rows, all of one slot: the kernels (lora/kernels.py) run
+A tile is TILE consecutive entries of token_rows, all of one slot: the kernels (kernels/lora/shrink_expand.py) run
 one program per (tile, output block) on a grid fixed by the padded token count, and programs past
 num_tiles return at once. So a replayed graph needs no host value of the step, and a step whose
 layout is empty costs only those empty launches.
 
-The delta is the custom op `splitserve::lora_add_` (opaque to torch.compile, like the attention op),
+The delta is the custom op `splitserve::lora_add_` (kernels/ops.py; opaque to torch.compile, like the
+attention op),
 which adds (x A[slot]^T) B[slot]^T into the base layer's output in place. On CUDA it runs the Triton
 kernels; elsewhere the torch reference below (per slot, on the host's view of token_slots), which is
 also what the kernel tests compare with.
@@ -120,7 +121,7 @@ def lora_add_impl(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     if not use_kernels:
         lora_add_ref(out, x, lora_a, lora_b, shard_sizes, rank, token_slots)
         return
-    from splitserve.lora import kernels
+    from splitserve.kernels.lora import shrink_expand as kernels
     grid_tiles = max_tiles(x.shape[0], lora_a.shape[0])
     if grid_tiles == 0:
         return
@@ -132,15 +133,3 @@ def use_kernels_for(out: torch.Tensor) -> bool:
     """The Triton kernels on CUDA, the torch reference elsewhere (benchmarks/lora_gpu_check.py swaps
     this to run the reference on the GPU)."""
     return out.is_cuda
-
-
-@torch.library.custom_op("splitserve::lora_add_", mutates_args=("out",))
-def lora_add_(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              num_tiles: torch.Tensor, token_slots: torch.Tensor, tile_slots: torch.Tensor,
-              token_rows: torch.Tensor, shard_sizes: list[int], rank: int) -> None:
-    lora_add_impl(out, x, lora_a, lora_b, num_tiles, token_slots, tile_slots, token_rows, shard_sizes, rank)
-
-
-@lora_add_.register_fake
-def _(out, x, lora_a, lora_b, num_tiles, token_slots, tile_slots, token_rows, shard_sizes, rank) -> None:
-    return None

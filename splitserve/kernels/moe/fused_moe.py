@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.moe.reference import check_moe_args, fused_moe_ref
+from splitserve.kernels.moe.reference import check_moe_args, fused_moe_ref
 
 
 @dataclass(frozen=True)
@@ -264,17 +264,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if x.is_cuda:
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-
-
-# An opaque op for the compiler: the kernels' configuration is a Python choice by the token count
-# (which Dynamo must not turn into a guard per size) and the launches are Triton's. Functional (no
-# declared mutation), so compiled regions and CUDA graphs can hold it.
-@torch.library.custom_op("splitserve::fused_moe", mutates_args=())
-def fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
-    return fused_moe(x, w13, w2, topk_weights, topk_ids)
-
-
-@fused_moe_op.register_fake
-def _(x, w13, w2, topk_weights, topk_ids):
-    return x.new_empty((x.shape[0], w13.shape[2]))

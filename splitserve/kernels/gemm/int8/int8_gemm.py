@@ -19,8 +19,8 @@ Three GEMM kernels, one contract:
   _int8_gemm_tma_kernel        TMA descriptor loads (Hopper), zero-filled tails, no split-K; needs K % 16 == 0;
   int8_async_mma.py's kernel   Gluon, Hopper only: TMA loads and wgmma kept asynchronous, one K tile of
                                MMAs in flight (Triton's tl.dot waits for an int32 wgmma at every K step).
-Tile configurations come from a small table keyed by M buckets (default_int8_config); Int8Config(tma=True)
-selects the TMA kernel, Int8Config(tma=True, async_mma=True) the Gluon one. INT8_TILES names the
+Tile configurations come from a small table keyed by M buckets (tiles.int8_gemm_tiles); a TileConfig
+with tma=True selects the TMA kernel, tma=True and async_mma=True the Gluon one. tiles.INT8_TILES names the
 candidate tiles for many tokens (benchmarks/int8_gemm.py --tiles times them on the 8B shapes).
 
 int8_linear() is what Int8LinearMethod calls (through a custom op) on CUDA: one launch quantizes the
@@ -32,75 +32,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_epilogue
+from splitserve.kernels.gemm.quant import INT8_HALF_RANGE, INT8_SCALE_EPS, quantize_per_token  # noqa: F401
+from splitserve.kernels.gemm.tiles import INT8_CONFIG_TABLE, INT8_TILES, TileConfig, int8_gemm_tiles  # noqa: F401
 
-INT8_HALF_RANGE = 127.5
-SCALE_EPS = float(torch.finfo(torch.float32).eps)  # ops._EPS: the scale of an all-zero row
-_HALF_RANGE_C = tl.constexpr(INT8_HALF_RANGE)
-_SCALE_EPS_C = tl.constexpr(SCALE_EPS)
-# Adding and subtracting 1.5 * 2^23 rounds an fp32 |y| < 2^22 to an integer, half to even (the fp32
-# add's own rounding); libdevice.rint does the same on the GPU but has no interpreter equivalent.
-_ROUND_MAGIC_C = tl.constexpr(12582912.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# activation quantization
-# ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _quant_int8_per_token_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, stride_qm,
-                                 STATIC: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per token. Dynamic: a first pass finds the row's absmax, the second (from L1/L2)
-    # quantizes; a row of up to BLOCK elements is read from DRAM once either way.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    if STATIC:
-        s = tl.load(static_s_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        s = tl.div_rn(tl.max(amax, axis=0), _HALF_RANGE_C)
-        s = tl.where(s == 0.0, _SCALE_EPS_C, s)
-        tl.store(s_ptr + row, s)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        y = tl.clamp(tl.div_rn(x, s), -128.0, 127.0)  # clamping first keeps |y| small for the rounding
-        q = (y + _ROUND_MAGIC_C) - _ROUND_MAGIC_C
-        tl.store(q_ptr + row * stride_qm + offs, q.to(tl.int8), mask=offs < K)
+SCALE_EPS = INT8_SCALE_EPS  # layers/quantization/ops._EPS: the scale of an all-zero row
 
 
 def quantize_int8_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32) -> (q int8 [M, K], fp32 scales) with x ~= q * s, in one launch.
 
     Dynamic (scale None): one scale per token, [M, 1]. Static: the given one-element scale (a
-    checkpoint's input_scale) for every row, returned as [1]."""
-    _check_2d("x", x)
-    M, K = x.shape
-    x = x if x.stride(1) == 1 else x.contiguous()
-    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
-    if scale is not None:
-        if scale.numel() != 1:
-            raise ValueError(f"a static activation scale must have one element, got shape {tuple(scale.shape)}")
-        s_out, static = scale.reshape(1).to(torch.float32), True
-    else:
-        s_out, static = torch.empty((M, 1), dtype=torch.float32, device=x.device), False
-    if M and K:
-        block = min(triton.next_power_of_2(K), 4096)
-        _quant_int8_per_token_kernel[(M,)](x, q, s_out, s_out, K, x.stride(0), q.stride(0),
-                                           STATIC=static, BLOCK=block, num_warps=4 if block >= 1024 else 1)
-    elif M and not static:
-        s_out.fill_(SCALE_EPS)
-    return q, s_out
+    checkpoint's input_scale) for every row, returned as [1]. quant.quantize_per_token for INT8: the
+    one per-token quantization of FP8 and INT8."""
+    return quantize_per_token(x, torch.int8, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,96 +146,9 @@ def _int8_gemm_tma_kernel(
                      stride_om, out_ptr, out_ptr, pid, 0, 1, HAS_BIAS, RAW_INT32, False)
 
 
-@dataclass(frozen=True)
-class Int8Config:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-    group_m: int = 8
-    tma: bool = False
-    warp_spec: bool = False  # TMA kernel only: Triton's warp specialization (loader and MMA warps)
-    async_mma: bool = False  # the Gluon kernel: TMA loads, one K tile's MMAs left in flight (needs tma)
-
-    def describe(self) -> str:
-        s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
-        return (s + (f" split{self.split_k}" if self.split_k > 1 else "") + (" tma" if self.tma else "")
-                + (" ws" if self.warp_spec else "") + (" async" if self.async_mma else ""))
-
-    @property
-    def name(self) -> str:
-        """The key of INT8_TILES: kernel_BMxBNxBK_wWARPSsSTAGES (+ _gGROUP when not 8)."""
-        kind = "async" if self.async_mma else "tmaws" if self.warp_spec else "tma" if self.tma else "ptr"
-        return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}s{self.num_stages}"
-                + (f"_g{self.group_m}" if self.group_m != 8 else "") + (f"_split{self.split_k}" if self.split_k > 1 else ""))
-
-
-def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, kind: str) -> Int8Config:
-    return Int8Config(bm, bn, bk, num_warps=warps, num_stages=stages, tma=kind != "ptr",
-                      warp_spec=kind == "tmaws", async_mma=kind == "async")
-
-
-# Named tiles for 256+ tokens, the candidates of benchmarks/int8_gemm.py --tiles (each compiled for
-# sm_90a without spills, within 227 KiB of shared memory: --compile-only). INT8_CONFIG_TABLE below
-# can take any of them by name, e.g. INT8_TILES["async_128x256x128_w8s4"].
-#   tma_*    the Triton TMA kernel (its int32 wgmma waited at every K tile): the two current
-#            defaults, and 128x128 tiles of 4 warps in 96 KiB, two CTAs an SM, so that one CTA's
-#            MMAs run while the other's drain
-#   tmaws_*  the same kernel with Triton's warp specialization (a TMA loader warp)
-#   async_*  the Gluon kernel (int8_async_mma.py): one K tile of MMAs always queued;
-#            the w4s3 128x128 and the 64x128 tiles (96 KiB, <= 199 registers) also run two CTAs an SM
-INT8_TILES: dict[str, Int8Config] = {c.name: c for c in [
-    _tile(128, 256, 128, 8, 3, "tma"),
-    _tile(128, 128, 128, 8, 4, "tma"),
-    _tile(128, 128, 128, 4, 3, "tma"),
-    _tile(128, 128, 128, 4, 4, "tmaws"),
-    _tile(128, 256, 128, 8, 3, "async"),
-    _tile(128, 256, 128, 8, 4, "async"),
-    _tile(256, 128, 128, 8, 4, "async"),
-    _tile(128, 128, 128, 4, 4, "async"),
-    _tile(128, 128, 128, 4, 3, "async"),
-    _tile(64, 128, 128, 4, 4, "async"),
-]}
-
-
-# (largest M, config) in increasing M; None = the few-token rule in default_int8_config. Hopper
-# guesses to be confirmed by benchmarks/int8_gemm.py --sweep: 128-row tiles with 128-byte K tiles
-# (one 128B-swizzled smem row per tile row), 8 warps for the 128x256 int32 accumulator (128
-# registers a thread), 3 stages of 48 KiB.
 # Above this many tokens the table's tile is loaded by TMA where the tensors allow it (K % 16 == 0,
 # aligned, sm90): 1000 x 1024/128 on the 8B shape went from 37,234 to 39,766 tok/s on one H100.
 INT8_TMA_MIN_M = 256
-
-# Above 256 tokens the Gluon kernel (async MMAs), from the H100 tile sweep (BENCHMARKS.md, sixteenth
-# session: `int8_gemm.py --tiles`): bf16's time over INT8's for the 8B layer's four matmuls
-# was 1.49 at 512 tokens with 128x128 tiles of 4 warps (1.26 with the TMA tile before), 1.82-1.85 at
-# 2048-8192 with 128x256 tiles of 8 warps (1.30-1.44 before). Off Hopper those tiles run on the TMA
-# or pointer kernel (int8_gemm).
-INT8_CONFIG_TABLE: list[tuple[int, Int8Config | None]] = [
-    (64, None),
-    (256, Int8Config(64, 128, 128, num_warps=4, num_stages=4)),
-    (1024, INT8_TILES["async_128x128x128_w4s4"]),
-    (1 << 62, INT8_TILES["async_128x256x128_w8s4"]),
-]
-
-
-def default_int8_config(M: int, N: int, K: int, n_sms: int = 132) -> Int8Config:
-    """The table's tile for M tokens; up to 256 tokens K is split while the output tiles are too few
-    for the SMs (decode reads every weight once: the SMs must all stream)."""
-    for max_m, cfg in INT8_CONFIG_TABLE:
-        if M <= max_m:
-            break
-    if cfg is None:
-        # few tokens: the FP8 kernel's H100 choices (same bytes per weight, same MMA K of 32)
-        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-        block_n, block_k, stages = (64, 256, 3) if M <= 4 else (32, 256, 5) if block_m == 16 else (32, 128, 4)
-        cfg = Int8Config(block_m, block_n, block_k, num_warps=4, num_stages=stages)
-    if M <= 256 and not cfg.async_mma:
-        cfg = Int8Config(**{**cfg.__dict__, "split_k": split_k_for(M, N, K, cfg.block_m, cfg.block_n,
-                                                                   cfg.block_k, n_sms)})
-    return cfg
 
 
 def hopper_wgmma(device: torch.device) -> bool:
@@ -297,7 +160,7 @@ def hopper_wgmma(device: torch.device) -> bool:
 @functools.cache
 def _gluon_available() -> bool:
     try:
-        import splitserve.layers.quant_kernels.int8_async_mma  # noqa: F401
+        import splitserve.kernels.gemm.int8.int8_async_mma  # noqa: F401
     except ImportError:
         return False
     return True
@@ -315,7 +178,7 @@ def tma_supported(x_q: torch.Tensor, w: torch.Tensor) -> bool:
 
 def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
               bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
-              config: Int8Config | None = None) -> torch.Tensor:
+              config: TileConfig | None = None) -> torch.Tensor:
     """The Triton W8A8 INT8 GEMM (module docstring). x_q int8 [M, K], x_scale fp32 [M, 1] / [M] or one
     element; w int8 [N, K], w_scale fp32 [N] / [N, 1] or one element; bias [N] or None.
 
@@ -350,7 +213,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
     x_q = x_q if x_q.stride(1) == 1 else x_q.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    cfg = config or default_int8_config(M, N, K, num_sms(x_q.device))
+    cfg = config or int8_gemm_tiles(M, N, K, num_sms(x_q.device))
     if config is None:
         # the table's tile on TMA above INT8_TMA_MIN_M tokens (or when it names the async kernel)
         # where the tensors allow it; the pointer kernel with the same tile where they do not
@@ -375,7 +238,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
         if not tma_supported(x_q, w):
             raise ValueError("the TMA kernel needs K % 16 == 0, 16-byte aligned tensors and sm90+")
         if cfg.async_mma:
-            from splitserve.layers.quant_kernels.int8_async_mma import launch_async_mma  # Gluon: only where used
+            from splitserve.kernels.gemm.int8.int8_async_mma import launch_async_mma  # Gluon: only where used
             launch_async_mma(x_q, x_s, w, w_s, bias_arg, out, stride_as, cfg, num_tiles,
                              has_bias=bias is not None, raw=raw)
             return out
@@ -407,7 +270,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                *, input_scale: torch.Tensor | None = None, config: Int8Config | None = None) -> torch.Tensor:
+                *, input_scale: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """y = dequant(quant(x)) @ dequant(w).T + bias for x [..., K] (bf16/fp16/fp32), w int8 [N, K],
     w_scale fp32 [N] (or one), in x's dtype: quantize_int8_per_token (dynamic, or the static
     `input_scale`) then int8_gemm, two launches for every token count. Triton kernels: a CUDA

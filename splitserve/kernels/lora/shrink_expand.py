@@ -1,7 +1,7 @@
 """Triton kernels of the LoRA delta: a gathered GEMM over tiles of tokens that share a slot.
 
-The step's layout (lora/ops.py) lists the tokens that have an adapter grouped by slot, each group
-padded to whole tiles of `tile` entries (lora/ops.py TILE) (-1: no token). A program takes one tile and a block of
+The step's layout (kernels/lora/lora_add.py) lists the tokens that have an adapter grouped by slot, each group
+padded to whole tiles of `tile` entries (kernels/lora/lora_add.py TILE) (-1: no token). A program takes one tile and a block of
 output features, gathers its tokens' rows and multiplies them with its slot's weights:
 
     shrink:  y[p, :] = sum_k x[row(p), K-part k] @ A[slot]^T[K-part k]   (A [S, shards*R, in]; y fp32)
@@ -19,7 +19,7 @@ holds), and expand reads y once. Expand multiplies on tensor cores in tf32 for b
 (y rounded to a 10-bit mantissa, against bf16's 7 that peft's layers round it to in that dtype; fp32
 weights multiply in IEEE fp32) with fp32 accumulation, and adds into the output with one rounding.
 A merged layer's shards (q/k/v, gate/up) are one launch, each program inside one shard. The torch
-definition of both is in lora/ops.py (also the CPU path). On the H100 at 8B shapes (benchmarks/lora_kernel_sweep.py,
+definition of both is in kernels/lora/lora_add.py (also the CPU path). On the H100 at 8B shapes (benchmarks/lora_kernel_sweep.py,
 BENCHMARKS.md) the summing program and the tensor-core expand cut the delta of a 256-token step from
 3.1 to ~1.5 ms: expand had been bound by its fp32 FMAs, not by memory.
 """

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.attention.ops.store_kv import fp8_scales
+from splitserve.kernels.attention.store_kv import fp8_scales
 
 _LOG2E = 1.4426950408889634
 # Finite "minus infinity" for the running max: a row whose every logit is masked then yields

@@ -130,7 +130,7 @@ def _int8_gemm_async_mma_kernel(
 
 def launch_async_mma(x_q, x_s, w, w_s, bias_arg, out, stride_as, cfg, num_tiles: int, *,
                      has_bias: bool, raw: bool) -> None:
-    """_int8_gemm_async_mma_kernel on int8_gemm's prepared arguments (cfg: an Int8Config)."""
+    """_int8_gemm_async_mma_kernel on int8_gemm's prepared arguments (cfg: a TileConfig)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     a_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_k], gl.int8)
     w_layout = gl.NVMMASharedLayout.get_default_for([cfg.block_n, cfg.block_k], gl.int8)

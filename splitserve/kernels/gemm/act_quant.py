@@ -8,10 +8,10 @@ scales [M, 1] fp32, saving a bf16 write and read of [M, I] per layer.
 Numbers: h is computed in fp32 and rounded once to the input dtype, h = dtype(silu(g) * u) with
 silu(g) = g / (1 + exp(-g)), which is what Inductor's kernel for activation.silu_and_mul computes in
 the engine's compiled layers (it keeps silu(g) in fp32; eager torch rounds it to bf16 first and differs
-by one bf16 ulp on about a quarter of the elements). The quantization of h is the existing quantizers'
-exactly: fp8 as fp8_gemm.quantize_fp8_per_token (s = max(amax, 1e-10) / 448, q = clamp(h * (448 /
-amax))), int8 as int8_gemm.quantize_int8_per_token (s = amax / 127.5, the fp32 eps for a zero row,
-q = clamp(round_half_even(h / s), -128, 127)), true divisions. silu's exp and division are the GPU's
+by one bf16 ulp on about a quarter of the elements). The quantization of h is the per-token
+quantizer's exactly, the same jitted rules (quant.py's _scale and _quantize): fp8 s = max(amax, 1e-10) / 448,
+q = clamp(h * (448 / amax)); int8 s = amax / 127.5 (the fp32 eps for a zero row),
+q = clamp(round_half_even(h / s), -128, 127); true divisions. silu's exp and division are the GPU's
 fast ones (ex2.approx, the approximate reciprocal; Inductor's tl.sigmoid uses the same), within a few
 fp32 ulps of torch's: that moves h by one bf16 ulp on about one element in 10^4 (the interpreter's
 numpy arithmetic: rarer still). Given the same h the results are bit for bit the quantizers'.
@@ -25,16 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels import int8_gemm as I8
-from splitserve.layers.quant_kernels import reference
-from splitserve.layers.quant_kernels.fp8_gemm import (FP8_DTYPE, FP8_GROUP_MAX_M, FP8_MAX, FP8_TRITON_MAX_M,
-                                                      SCALE_EPS, fp8_gemm, fp8_linear, scaled_mm_linear)
-
-_FP8_MAX_C = tl.constexpr(FP8_MAX)
-_FP8_EPS_C = tl.constexpr(SCALE_EPS)
-_INT8_HALF_C = tl.constexpr(I8.INT8_HALF_RANGE)
-_INT8_EPS_C = tl.constexpr(I8.SCALE_EPS)
-_ROUND_MAGIC_C = tl.constexpr(12582912.0)  # 1.5 * 2^23: see int8_gemm.py
+from splitserve.kernels.gemm import reference
+from splitserve.kernels.gemm.fp8.fp8_gemm import (FP8_GROUP_MAX_M, FP8_TRITON_MAX_M, fp8_gemm, fp8_linear,
+                                                  scaled_mm_linear)
+from splitserve.kernels.gemm.int8 import int8_gemm as I8
+from splitserve.kernels.gemm.quant import FP8_DTYPE, QUANT_FP8, QUANT_INT8, _quantize, _scale
 
 # Rows up to this many elements are held in registers whole (one pass over DRAM, silu computed once);
 # longer rows take two passes (below). 16384 covers I = 14336 (Llama-3-8B / Mistral-7B) on one rank.
@@ -49,27 +44,6 @@ def _silu_mul(x_row, offs, I):
     u = tl.load(x_row + I + offs, mask=mask, other=0.0).to(tl.float32)
     # `/` is the GPU's fast division (within 2 ulp), as in tl.sigmoid, which Inductor's silu uses
     return (g / (1.0 + tl.exp(-g)) * u).to(x_row.dtype.element_ty)
-
-
-@triton.jit
-def _scale(amax, QUANT: tl.constexpr):
-    """(the row's scale, what h is multiplied (fp8) or divided (int8) by)."""
-    if QUANT == 1:
-        amax_c = tl.maximum(amax, _FP8_EPS_C)
-        return tl.div_rn(amax_c, _FP8_MAX_C), tl.div_rn(tl.full([], _FP8_MAX_C, tl.float32), amax_c)
-    else:
-        s = tl.div_rn(amax, _INT8_HALF_C)
-        s = tl.where(s == 0.0, _INT8_EPS_C, s)
-        return s, s
-
-
-@triton.jit
-def _quantize(h, factor, QUANT: tl.constexpr):
-    if QUANT == 1:
-        return tl.clamp(h * factor, -_FP8_MAX_C, _FP8_MAX_C)
-    else:
-        y = tl.clamp(tl.div_rn(h, factor), -128.0, 127.0)  # clamped first: |y| small for the rounding
-        return (y + _ROUND_MAGIC_C) - _ROUND_MAGIC_C
 
 
 @triton.jit
@@ -139,7 +113,8 @@ def silu_mul_quant_per_token(gate_up: torch.Tensor, dtype: torch.dtype, *,
     if M:
         one_pass = triton.next_power_of_2(I) <= ONE_PASS_MAX
         block = triton.next_power_of_2(I) if one_pass else 4096
-        _silu_mul_quant_kernel[(M,)](x, q, s, I, x.stride(0), q.stride(0), QUANT=1 if dtype == FP8_DTYPE else 2,
+        _silu_mul_quant_kernel[(M,)](x, q, s, I, x.stride(0), q.stride(0),
+                                     QUANT=QUANT_FP8 if dtype == FP8_DTYPE else QUANT_INT8,
                                      BLOCK=block, ONE_PASS=one_pass,
                                      num_warps=num_warps or max(1, min(16, block // 1024)))
     return q, s

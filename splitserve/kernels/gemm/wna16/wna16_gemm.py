@@ -25,23 +25,22 @@ WNA16_TILED_MAX_M tokens).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
-from splitserve.layers.quant_kernels.wna16_gemv import wna16_gemv
-from splitserve.layers.quant_kernels.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
-from splitserve.layers.quant_kernels.wna16_tiled import wna16_tiled_gemm, wna16_tiled_supports
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_epilogue
+from splitserve.kernels.gemm.tiles import WNA16_SPLIT_K_MAX_M, TileConfig, wna16_gemm_tiles  # noqa: F401
+from splitserve.kernels.gemm.wna16.wna16_gemv import wna16_gemv
+from splitserve.kernels.gemm.wna16.wna16_layout import check_canonical, check_wna16_call, largest_pow2_divisor
+from splitserve.kernels.gemm.wna16.wna16_tiled import wna16_tiled_gemm, wna16_tiled_supports
 
 # wna16_linear's policy: the split-K kernel up to WNA16_SPLIT_K_MAX_M tokens; from
 # WNA16_DEQUANT_MIN_M on, the weight is dequantized to a temporary bf16 matrix for cuBLAS. On the
 # H100 that beat the kernel's large-tile path (14.9 against 31.4 ms for the 8B step at 256 tokens,
 # 53 against 164 ms at 2048, BENCHMARKS.md), so the tiled path is only reachable through
 # wna16_gemm(config=...) until it is made faster.
-WNA16_SPLIT_K_MAX_M = 64
 WNA16_DEQUANT_MIN_M = 65
 # From WNA16_DEQUANT_MIN_M up to WNA16_TILED_MAX_M tokens (no act-order, on Hopper), wna16_wgmma.py's
 # kernel instead of the dequantize path: it dequantizes each weight tile in registers to the same bits and
@@ -174,40 +173,16 @@ def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, BITS: tl.constexpr, 
              ((q - z) * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@dataclass(frozen=True)
-class WNA16Config:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-    unpack_bcast: bool = False
-
-
-def default_wna16_config(M: int, N: int, K: int, group_size: int, num_sms: int = 132) -> WNA16Config:
-    """Tile choice (H100 sweep of the 8B shapes, BENCHMARKS.md). block_k divides the group size."""
-    block_k = largest_pow2_divisor(group_size, 128)
-    if M <= 16:
-        return WNA16Config(16, 64, block_k, split_k_for(M, N, K, 16, 64, block_k, num_sms, 2.9), 4, 5)
-    if M <= WNA16_SPLIT_K_MAX_M:
-        block_m = 32 if M <= 32 else 64
-        return WNA16Config(block_m, 128, block_k, split_k_for(M, N, K, block_m, 128, block_k, num_sms), 4, 3)
-    block_m = 64 if M <= 128 else 128
-    return WNA16Config(block_m, 128, largest_pow2_divisor(group_size, 64), 1, num_warps=8 if block_m == 128 else 4,
-                       num_stages=3)
-
-
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                *, bits: int, group_size: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               config: WNA16Config | None = None) -> torch.Tensor:
+               config: TileConfig | None = None) -> torch.Tensor:
     """The Triton kernel: x bf16/fp16 [M, K] times the canonical weight -> [M, N] in x's dtype."""
     M, K, N = check_wna16_call(x, qweight, scales, zeros, bits, group_size, perm, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = config or default_wna16_config(M, N, K, group_size, num_sms(x.device))
+    cfg = config or wna16_gemm_tiles(M, N, K, group_size, num_sms(x.device))
     if group_size % cfg.block_k or cfg.block_k % (32 // bits):
         raise ValueError(f"block_k={cfg.block_k} must divide group_size={group_size} and hold whole words")
     # 8-bit values do not fit bf16's mantissa above 128 + 127: they convert through fp32 instead.
@@ -262,7 +237,7 @@ def _tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     numerics, runnable in the interpreter) measured slower than dequantize + cuBLAS on the H100
     sweep, so it is not a fallback here."""
     try:
-        from splitserve.layers.quant_kernels import wna16_wgmma  # Gluon: imported only where used
+        from splitserve.kernels.gemm.wna16 import wna16_wgmma  # Gluon: imported only where used
     except ImportError:  # a Triton without the experimental Gluon API
         return None
     if not wna16_wgmma.wna16_wgmma_supported(x, qweight.shape[1], group_size):
@@ -275,7 +250,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for x [..., K]: the entry the linear layers call (module docstring).
     Off CUDA (CPU tests) the torch reference computes the same function."""
-    from splitserve.layers.quant_kernels import reference
+    from splitserve.kernels.gemm import reference
 
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)

@@ -38,13 +38,12 @@ sm_90 compile at two rows spills), so fp8_linear only routes K % 16 == 0 here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
+from splitserve.kernels.gemm._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue  # noqa: F401
+from splitserve.kernels.gemm.tiles import TileConfig, fp8_gemv_tiles
 
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 2  # rows of x one program holds (one accumulator set per row)
@@ -127,27 +126,6 @@ def _fp8_gemv_kernel(
                      pid_n, pid_k, num_splits, HAS_BIAS, USE_SPLIT_K)
 
 
-@dataclass(frozen=True)
-class Fp8GemvConfig:
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 1
-    prefetch: bool = False  # load the next K step's tile before this step's arithmetic
-
-
-def default_fp8_gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> Fp8GemvConfig:
-    """The H100 sweep's best single tiles (benchmarks/fp8_gemv.py, BENCHMARKS.md sixteenth session;
-    8B layers 2.75 ms at one token against 3.44 for the tl.dot kernel, 2.98 against 3.34 at two):
-    one token, 8 rows x 1024 K per step; two tokens, 16 x 512 (each row of x holds its own FFMA
-    chains); 4 warps, split-K for 4 / 2 programs per SM. No prefetch: carrying the fp8 tile across
-    iterations costs ~2 byte shuffles per byte (PRMT/LOP3 in the sm_90 SASS), and several resident
-    programs keep loads in flight anyway (the prefetch variant measured slowest)."""
-    block_n, block_k, per_sm = (8, 1024, 4.0) if M <= 1 else (16, 512, 2.0)
-    return Fp8GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, per_sm), 4)
-
-
 def check_fp8_gemv_call(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                         bias: torch.Tensor | None) -> tuple[int, int, int, bool]:
     """(M, K, N, per_tensor) of a valid call, else ValueError."""
@@ -178,7 +156,7 @@ def check_fp8_gemv_call(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             *, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+             *, config: TileConfig | None = None) -> torch.Tensor:
     """x bf16/fp16 [M, K] (M <= GEMV_MAX_ROWS) @ (w * w_scale).T + bias -> [M, N] in x's dtype."""
     M, K, N, per_tensor = check_fp8_gemv_call(x, w, w_scale, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -186,7 +164,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torc
         return out
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
-    cfg = config or default_fp8_gemv_config(M, N, K, num_sms(x.device))
+    cfg = config or fp8_gemv_tiles(M, N, K, num_sms(x.device))
     if cfg.block_k % RUN or cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1) or cfg.split_k < 1:
         raise ValueError(f"block_k={cfg.block_k} must be a power of two >= {RUN}, block_n={cfg.block_n} a power "
                          f"of two and split_k={cfg.split_k} >= 1")

@@ -35,14 +35,14 @@ program.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue
-from splitserve.layers.quant_kernels.wna16_layout import CANONICAL_ORDER, check_wna16_call, largest_pow2_divisor
+from splitserve.kernels.gemm._split_k import gemv_split_for, num_sms, split_k_buffers, split_k_epilogue  # noqa: F401
+from splitserve.kernels.gemm.tiles import TileConfig, wna16_gemv_tiles
+from splitserve.kernels.gemm.wna16.wna16_layout import CANONICAL_ORDER, check_wna16_call
 
 GEMV_MAX_ROWS = 8  # rows of x one program holds (registers: every FFMA chain is per row)
 
@@ -193,63 +193,9 @@ def _wna16_gemv_kernel(
                      pid_n, pid_k, num_splits, HAS_BIAS, USE_SPLIT_K)
 
 
-@dataclass(frozen=True)
-class WNA16GemvConfig:
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 1
-    prefetch: bool = False  # load the next K tile's words before this tile's arithmetic
-
-
-def _swept_int4_config(M: int, N: int, K: int, group_size: int) -> WNA16GemvConfig | None:
-    """The H100 sweep's best tiles for int4 at 1-2 tokens on the 8B shapes (BENCHMARKS.md, fourteenth
-    session), as rules by shape: wide layers (gate_up, N >= 16384), deep ones (down, K >= 8192), the
-    rest (qkv, o). Splits are capped at the K tiles there are."""
-    if M == 1:
-        block_n, block_k, split, warps, prefetch = ((256, 128, 16, 1, False) if N >= 16384 else
-                                                    (256, 64, 32, 2, True) if K >= 8192 else
-                                                    (256, 128, 16, 4, False))
-    elif M == 2:
-        block_n, block_k, split, warps, prefetch = ((512, 32, 16, 4, True) if N >= 16384 else
-                                                    (512, 32, 32, 4, True) if N >= 6144 and K < 8192 else
-                                                    (256, 32, 32, 2, True))
-    else:
-        return None
-    block_k = gemv_block_k(group_size, 4, block_k)
-    return WNA16GemvConfig(block_n, block_k, max(1, min(split, triton.cdiv(K, block_k))), warps, prefetch=prefetch)
-
-
-def default_gemv_config(M: int, N: int, K: int, bits: int, group_size: int, has_zero: bool = False,
-                        num_sms: int = 132) -> WNA16GemvConfig:
-    """int4 without zero points at 1-2 tokens: the H100 sweep's tiles (_swept_int4_config; at one
-    token they took the 8B layers from 3.07 ms with the rules below to 2.12 ms). Otherwise the tile
-    choice before that sweep, from the sm_90 SASS of the 8B shapes (main loop):
-    - 8 columns per thread (BLOCK_N = 256 * num_warps): ~25 instructions per int4 word at one token
-      against ~30 with 4 (x's loads and offsets are shared by a thread's columns); 4 at 5-8 tokens.
-    - word rows per tile 8 at 1-2 tokens, 4 up to 4 tokens (2 with zero points), 2 above: each
-      row of x holds its own FFMA chains in registers, and bigger tiles spill.
-    - 2 warps for wide layers, 1 for narrow ones (N 4096: more N tiles, fewer split-K partials);
-      split-K for ~3 programs per SM."""
-    swept = _swept_int4_config(M, N, K, group_size) if bits == 4 and not has_zero else None
-    if swept is not None:
-        return swept
-    word_rows = 8 if M <= 2 else (2 if has_zero else 4) if M <= 4 else 2
-    block_k = gemv_block_k(group_size, bits, word_rows * (32 // bits))
-    num_warps = 2 if N >= 16384 else 1
-    block_n = (256 if M <= 4 else 128) * num_warps
-    return WNA16GemvConfig(block_n, block_k, gemv_split_for(N, K, block_n, block_k, num_sms, 3.0), num_warps)
-
-
-def gemv_block_k(group_size: int, bits: int, cap: int) -> int:
-    """Largest power of two <= cap dividing the group size, at least one word of values."""
-    return largest_pow2_divisor(group_size, cap, floor=32 // bits)
-
-
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                *, bits: int, group_size: int, perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               config: WNA16GemvConfig | None = None) -> torch.Tensor:
+               config: TileConfig | None = None) -> torch.Tensor:
     """The GEMV kernel: x bf16/fp16 [M, K] (M <= 8) times the canonical weight -> [M, N] in x's dtype."""
     M, K, N = check_wna16_call(x, qweight, scales, zeros, bits, group_size, perm, bias)
     if M > GEMV_MAX_ROWS:
@@ -259,7 +205,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or default_gemv_config(M, N, K, bits, group_size, zeros is not None, num_sms(x.device))
+    cfg = config or wna16_gemv_tiles(M, N, K, bits, group_size, zeros is not None, num_sms(x.device))
     P = 32 // bits
     if group_size % cfg.block_k or cfg.block_k % P or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"block_k={cfg.block_k} must be a power of two dividing group_size={group_size} "

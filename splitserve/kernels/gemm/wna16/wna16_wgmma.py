@@ -20,7 +20,6 @@ runnable by the Triton interpreter: the GPU check of benchmarks/wna16_tiled.py i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,21 +28,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_for
-from splitserve.layers.quant_kernels.wna16_layout import check_wna16_call
-
-_F32_MAGIC_BITS = 0x4B000000  # fp32 2**23: OR-ing q < 2**23 into its mantissa gives exactly 2**23 + q
-
-
-@dataclass(frozen=True)
-class WNA16WgmmaConfig:
-    block_m: int = 128    # tokens per tile (a multiple of 16 * num_warps)
-    block_n: int = 128    # output features per tile (<= 256: one wgmma N)
-    block_k: int = 64     # divides the group size
-    num_warps: int = 4
-    stages: int = 4       # cp.async ring depth (>= 3): tiles prefetched = stages - 2
-    split_k: int = 1      # K slices (_split_k.py); 0: enough for programs_per_sm programs per SM
-    programs_per_sm: float = 1.0
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_for
+from splitserve.kernels.gemm.tiles import TileConfig, wna16_wgmma_tiles
+from splitserve.kernels.gemm.wna16.dequant import F32_MAGIC_BITS as _F32_MAGIC_BITS
+from splitserve.kernels.gemm.wna16.dequant import dequant_tile_t as _dequant_tile_t
+from splitserve.kernels.gemm.wna16.wna16_layout import check_wna16_call
 
 
 @gluon.constexpr_function
@@ -61,43 +50,6 @@ def _copy_layout(rows, cols, elems, num_warps):
     """cp.async layout for a [rows, cols] tile, `elems` contiguous elements (16 bytes) per thread."""
     tc = min(32, max(1, cols // elems))
     return gl.BlockedLayout([1, elems], [32 // tc, tc], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _value(half, i: gl.constexpr, s, c, magic, BITS: gl.constexpr, dtype: gl.constexpr):
-    """Value i of a 16-bit half word dequantized without a shift (wna16_tiled._value)."""
-    f = ((half & (((1 << BITS) - 1) << (i * BITS))) | magic).to(gl.float32, bitcast=True)
-    return ((f - c) * s).to(dtype)
-
-
-@gluon.jit
-def _dequant_tile_t(words, s, z, magic, BITS: gl.constexpr, dtype: gl.constexpr):
-    """uint32 words [BLOCK_N, BLOCK_K // P] -> weight tile [BLOCK_N, BLOCK_K] in K order (see
-    wna16_tiled._dequant_tile_t for the join nesting); s, z fp32 [BLOCK_N, 1]."""
-    BN: gl.constexpr = words.shape[0]
-    KW: gl.constexpr = words.shape[1]
-    E: gl.constexpr = 1 << BITS
-    MAGIC_F: gl.constexpr = 8388608.0
-    hi = words >> 16
-    c0 = z + MAGIC_F
-    c1 = z * E + MAGIC_F
-    s1 = s * (1.0 / E)
-    if BITS == 4:
-        c2 = z * (E * E) + MAGIC_F
-        c3 = z * (E * E * E) + MAGIC_F
-        s2 = s * (1.0 / (E * E))
-        s3 = s * (1.0 / (E * E * E))
-        lo = gl.join(
-            gl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(words, 2, s2, c2, magic, BITS, dtype)),
-            gl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(words, 3, s3, c3, magic, BITS, dtype)))
-        up = gl.join(
-            gl.join(_value(hi, 0, s, c0, magic, BITS, dtype), _value(hi, 2, s2, c2, magic, BITS, dtype)),
-            gl.join(_value(hi, 1, s1, c1, magic, BITS, dtype), _value(hi, 3, s3, c3, magic, BITS, dtype)))
-        return gl.reshape(gl.join(lo, up), [BN, KW * 8])
-    else:
-        w = gl.join(gl.join(_value(words, 0, s, c0, magic, BITS, dtype), _value(hi, 0, s, c0, magic, BITS, dtype)),
-                    gl.join(_value(words, 1, s1, c1, magic, BITS, dtype), _value(hi, 1, s1, c1, magic, BITS, dtype)))
-        return gl.reshape(w, [BN, KW * 4])
 
 
 @gluon.jit
@@ -224,16 +176,6 @@ def _wna16_wgmma_kernel(
                  res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def default_wgmma_config(M: int, N: int, K: int, group_size: int) -> WNA16WgmmaConfig:
-    """The H100 sweep's tiles (benchmarks/wna16_tiled.py, BENCHMARKS.md sixteenth session) for the
-    8B shapes at 128-256 tokens: 128x64 tiles of 4 warps, K split for two programs an SM, except the
-    wide gate_up (N >= 16384), which has output tiles enough: 128x128 (128 tokens) or 256x128 of 8 warps."""
-    block_k = 64 if group_size % 64 == 0 else 32
-    if N >= 16384:
-        return WNA16WgmmaConfig(128 if M <= 128 else 256, 128, block_k, 8, 4, split_k=0, programs_per_sm=1.0)
-    return WNA16WgmmaConfig(128, 64, block_k, 4, 4, split_k=0, programs_per_sm=2.0)
-
-
 def wna16_wgmma_supported(x: torch.Tensor, N: int, group_size: int) -> bool:
     """Whether wna16_wgmma_gemm takes this call: a Hopper GPU (wgmma), 16-byte aligned rows for
     cp.async (x's row stride a multiple of 8 elements, N of 4 words), groups of whole 32-K tiles."""
@@ -243,15 +185,15 @@ def wna16_wgmma_supported(x: torch.Tensor, N: int, group_size: int) -> bool:
 
 def wna16_wgmma_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      *, bits: int, group_size: int, bias: torch.Tensor | None = None,
-                     config: WNA16WgmmaConfig | None = None) -> torch.Tensor:
+                     config: TileConfig | None = None) -> torch.Tensor:
     """x bf16/fp16 [M, K] times the canonical weight -> [M, N] in x's dtype (no act-order)."""
     M, K, N = check_wna16_call(x, qweight, scales, zeros, bits, group_size, None, bias)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    cfg = config or default_wgmma_config(M, N, K, group_size)
-    if group_size % cfg.block_k or cfg.block_k % 32 or cfg.stages < 3:
+    cfg = config or wna16_wgmma_tiles(M, N, K, group_size)
+    if group_size % cfg.block_k or cfg.block_k % 32 or cfg.num_stages < 3:
         raise ValueError(f"block_k={cfg.block_k} must be a multiple of 32 dividing group_size={group_size}")
     if N % 4 or x.stride(0) % 8:
         raise ValueError("N must be a multiple of 4 and x's rows 16-byte aligned (cp.async)")
@@ -263,6 +205,6 @@ def wna16_wgmma_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x, qweight, scales, zeros if zeros is not None else out, bias if bias is not None else out, out,
         part, counters, M, N, K, x.stride(0), out.stride(0), _F32_MAGIC_BITS, k_per_split // cfg.block_k,
         num_splits, BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
         USE_SPLIT_K=num_splits > 1, num_warps=cfg.num_warps)
     return out

@@ -19,24 +19,22 @@ fp8_linear() is the entry the linear layers call: the W8A16 GEMV of fp8_gemv.py 
 tokens (per-tensor / per-channel weight scales, dynamic activations), the Triton kernel up to FP8_TRITON_MAX_M tokens
 (quantizing in the kernel up to FP8_GROUP_MAX_M), per-token quantization + torch._scaled_mm above,
 the torch reference off CUDA. References live in
-quant_kernels/reference.py.
+kernels/gemm/reference.py.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from splitserve.layers.quant_kernels._split_k import num_sms, split_k_buffers, split_k_epilogue, split_k_for
-from splitserve.layers.quant_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from splitserve.kernels.gemm._split_k import num_sms, split_k_buffers, split_k_epilogue
+from splitserve.kernels.gemm.fp8.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from splitserve.kernels.gemm.quant import FP8_DTYPE, FP8_MAX, FP8_SCALE_EPS, quantize_per_token
+from splitserve.kernels.gemm.tiles import TileConfig, fp8_gemm_tiles
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 GROUP_K = 128       # activation groups and weight blocks along K (DeepSeek-style block-wise FP8)
 GROUP_N = 128       # weight blocks along N
-SCALE_EPS = 1e-10   # an all-zero row gets this amax, so its scale is never 0
+SCALE_EPS = FP8_SCALE_EPS  # an all-zero row gets this amax, so its scale is never 0
 # the same constants as the kernels see them (a jitted function reads globals only as constexprs)
 _FP8_MAX_C = tl.constexpr(FP8_MAX)
 _GROUP_K_C = tl.constexpr(GROUP_K)
@@ -78,32 +76,6 @@ def fp8_small_m_act(M: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, stride_qm,
-                            STATIC: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per token; two passes over the row (the second from L2): amax, then quantize.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    if STATIC:
-        s = tl.load(static_s_ptr).to(tl.float32)
-        inv = tl.div_rn(tl.full([], 1.0, tl.float32), s)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax_c = tl.maximum(tl.max(amax, axis=0), _SCALE_EPS_C)
-        s = tl.div_rn(amax_c, _FP8_MAX_C)
-        tl.store(s_ptr + row, s)
-        inv = tl.div_rn(tl.full([], _FP8_MAX_C, tl.float32), amax_c)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x * inv, -_FP8_MAX_C, _FP8_MAX_C)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-
-
-@triton.jit
 def _quant_per_group_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
                             GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -123,22 +95,9 @@ def quantize_fp8_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -
     """x [M, K] (bf16/fp16/fp32) -> (q float8_e4m3fn [M, K], scales fp32 [M, 1]) with x ~= q * s.
 
     Dynamic: s = max(|x_row|, 1e-10) / 448. With a static per-tensor `scale` (a checkpoint's
-    input_scale), that one scale is used for every row and returned as given."""
-    _check_2d("x", x)
-    M, K = x.shape
-    x = x if x.stride(1) == 1 else x.contiguous()
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
-    if scale is not None:
-        if scale.numel() != 1:
-            raise ValueError(f"a static activation scale must have one element, got shape {tuple(scale.shape)}")
-        s_out, static = scale.reshape(1, 1).to(torch.float32), True
-    else:
-        s_out, static = torch.empty((M, 1), dtype=torch.float32, device=x.device), False
-    if M:
-        block = min(triton.next_power_of_2(K), 4096)
-        _quant_per_token_kernel[(M,)](x, q, s_out, s_out, K, x.stride(0), q.stride(0),
-                                      STATIC=static, BLOCK=block, num_warps=4 if block >= 1024 else 1)
-    return q, s_out
+    input_scale), that one scale is used for every row and returned as given ([1, 1]).
+    quant.quantize_per_token for FP8: the one per-token quantization of FP8 and INT8."""
+    return quantize_per_token(x, FP8_DTYPE, scale)
 
 
 def quantize_fp8_per_group(x: torch.Tensor, group: int = GROUP_K) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,35 +211,6 @@ def _fp8_gemm_kernel(
                      pid, pid_k, num_splits, HAS_BIAS, USE_SPLIT_K)
 
 
-@dataclass(frozen=True)
-class Fp8Config:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-def default_fp8_config(M: int, N: int, K: int, a_mode: int, grouped: bool, num_sms: int = 132) -> Fp8Config:
-    """Tile choice for the shapes this engine runs, from the H100 sweep of the 8B shapes
-    (BENCHMARKS.md). grouped: scales vary along K in groups of 128 (activation groups or weight
-    blocks), so block_k must divide 128."""
-    if M > 64:
-        return Fp8Config(128, 128, 128, 1, num_warps=8, num_stages=3)
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    if a_mode == 2:
-        # the in-kernel quantization of each [block_m, 128] x tile is shared by block_n weight rows
-        block_n, block_k, stages = (128 if M <= 4 or block_m == 64 else 64), 128, 3
-    elif block_m == 16:
-        block_n, block_k, stages = (64 if M <= 4 else 32), 256, (3 if M <= 4 else 5)
-    else:
-        block_n, block_k, stages = 32, 128, 4
-    if grouped:
-        block_k = min(block_k, 128)
-    return Fp8Config(block_m, block_n, block_k, split_k_for(M, N, K, block_m, block_n, block_k, num_sms), 4, stages)
-
-
 def _weight_scale_mode(w_scale: torch.Tensor, N: int, K: int) -> int:
     if w_scale.numel() == 1:
         return 0
@@ -295,7 +225,7 @@ def _weight_scale_mode(w_scale: torch.Tensor, N: int, K: int) -> int:
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
-             act: str = "group", config: Fp8Config | None = None) -> torch.Tensor:
+             act: str = "group", config: TileConfig | None = None) -> torch.Tensor:
     """The Triton FP8 GEMM, every activation mode (see the module docstring).
 
     a: float8_e4m3fn [M, K] with a_scale [M, 1] / [1] (A_MODE 0) or [M, ceil(K/128)] (A_MODE 1); or
@@ -339,7 +269,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_s
     a = a if a.stride(1) == 1 else a.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     grouped = a_mode in (1, 2) or w_mode == 2
-    cfg = config or default_fp8_config(M, N, K, a_mode, grouped, num_sms(a.device))
+    cfg = config or fp8_gemm_tiles(M, N, K, a_mode, grouped, num_sms(a.device))
     if grouped and GROUP_K % cfg.block_k:
         raise ValueError(f"block_k={cfg.block_k} must divide {GROUP_K} for group or block scales")
     if a_mode == 2 and cfg.block_k != GROUP_K:
@@ -383,7 +313,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     "token" or "none" = W8A16). A static per-tensor `input_scale` (a checkpoint's) is used as given.
     Block scales ([ceil(N/128), ceil(K/128)]) always quantize per token and 128-group. Off CUDA (CPU
     tests) the torch reference computes the same function."""
-    from splitserve.layers.quant_kernels import reference
+    from splitserve.kernels.gemm import reference
 
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp8_linear takes bf16/fp16 activations, got {x.dtype}")

@@ -1,0 +1,1 @@
+"""FP8 kernels; see kernels/gemm/__init__.py."""

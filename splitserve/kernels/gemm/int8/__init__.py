@@ -1,0 +1,1 @@
+"""INT8 kernels; see kernels/gemm/__init__.py."""

@@ -1,0 +1,1 @@
+"""WNA16 kernels; see kernels/gemm/__init__.py."""
