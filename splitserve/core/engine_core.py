@@ -26,12 +26,13 @@ from splitserve.protocol.rank_messages import RanksLostError
 from splitserve.fault_injection import install_step_faults
 from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.engine_args import EngineArgs
-from splitserve.models.generation_config import sampling_defaults
+from splitserve.loading.generation_config import sampling_defaults
 from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.families import decoder_spec
-from splitserve.models.loader import load_hf_config, load_model, read_generation_eos, resolve_dtype
+from splitserve.loading.hf_config import read_generation_eos, resolve_dtype
+from splitserve.models.loader import load_hf_config, load_model
 from splitserve.models.registry import get_model_class
-from splitserve.models.resolve import ModelSource, load_serving_tokenizer, resolve_model
+from splitserve.loading.resolve import ModelSource, load_serving_tokenizer, resolve_model
 from splitserve.core.request import Request, RequestStatus
 from splitserve.startup.bytecode import start_bytecode_warmup
 from splitserve.startup.kernel_precompile import start_attention_precompile

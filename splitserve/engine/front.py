@@ -17,7 +17,7 @@ import torch
 from splitserve.core.engine_core import ModelSpec
 from splitserve.protocol.core_messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
-from splitserve.models.resolve import load_serving_tokenizer
+from splitserve.loading.resolve import load_serving_tokenizer
 from splitserve.sampling_params import SamplingParams
 from splitserve.tokenize_parallel import encode_text
 

@@ -12,7 +12,7 @@ from splitserve.core.engine_core import MAX_FAILED_STEPS_IN_A_ROW, EngineCore, E
 from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine_args import EngineArgs
-from splitserve.models.text_config import TextConfig
+from splitserve.loading.text_config import TextConfig
 from splitserve.sampling_params import SamplingParams
 
 __all__ = ["EngineArgs", "EngineDeadError", "LLMEngine", "MAX_FAILED_STEPS_IN_A_ROW"]

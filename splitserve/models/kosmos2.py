@@ -27,7 +27,7 @@ from torch import nn
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
-from splitserve.models.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
+from splitserve.loading.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
 from splitserve.models.llava import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import importlib
 
-from splitserve.models.families import ARCHITECTURES
+from splitserve.loading.architectures import ARCHITECTURES
+from splitserve.loading.hf_config import config_model_type
 
 _MODELS = {
     # text decoders: one configurable decoder, the family read from the config's model_type
@@ -31,7 +32,7 @@ _MODELS = {
 _CONFIG_READERS = {
     "phi3_v": ("splitserve.models.phi3v", "load_phi3v_config"),
     "CogVLMForCausalLM": ("splitserve.models.cogvlm", "load_cogvlm_config"),
-    "NevaForCausalLM": ("splitserve.models.neva", "load_neva_config"),
+    "NevaForCausalLM": ("splitserve.loading.neva_nemo", "load_neva_config"),
     # the decoder's sizes at the top level (mBART names its encoder's num_hidden_layers)
     "vision-encoder-decoder": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
     "nougat": ("splitserve.models.nougat", "load_vision_encoder_decoder_config"),
@@ -47,6 +48,16 @@ def own_config_reader(model_type: str | None, architectures: list[str] | None = 
             module, name = _CONFIG_READERS[key]
             return getattr(importlib.import_module(module), name)
     return None
+
+
+def config_reader(directory: str):
+    """The reader (directory -> config) of a model directory whose family reads its own config, or None
+    (loading/hf_config.read_hf_config reads it then)."""
+    reader = own_config_reader(*config_model_type(directory))
+    if reader is not None:
+        return reader
+    from splitserve.models.vila import is_vila_dir, load_vila_config
+    return load_vila_config if is_vila_dir(directory) else None
 
 
 def supported_architectures() -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
 from splitserve.models.llava import VisionLanguageModel, build_language_model
-from splitserve.models.safetensors_io import iter_safetensors
+from splitserve.loading.safetensors_io import iter_safetensors
 
 VILA_ARCHITECTURES = ("LlavaLlamaModel", "LlavaLlamaForCausalLM")
 _PARTS = ("llm", "vision_tower", "mm_projector")

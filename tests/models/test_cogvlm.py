@@ -208,7 +208,7 @@ def test_tiny_overrides_build_a_small_model_with_the_real_geometry(tmp_path, nam
     import shutil
     from splitserve.models.loader import load_hf_config
     from splitserve.models.registry import get_model_class
-    from splitserve.models.resolve import resolve_model
+    from splitserve.loading.resolve import resolve_model
     from splitserve.protocol.mm_inputs import ImageItem
     root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", name)
 
