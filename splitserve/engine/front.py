@@ -32,7 +32,7 @@ def build_front_mm_processor(spec: ModelSpec, tokenizer, model=None):
     """The image processor of a vision-language model (None for text-only). It needs the model's
     image token and feature counts, not its weights: without a model at hand a meta-device copy serves."""
     from splitserve.models.registry import get_model_class
-    from splitserve.multimodal.processor import build_mm_processor
+    from splitserve.models.processors import build_mm_processor
     if model is None:
         _, cls = get_model_class(spec.config.model.hf_config.architectures, spec.config.model.hf_config)
         if not getattr(cls, "is_multimodal", False):

@@ -28,7 +28,7 @@ from torch import nn
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionEncoderLayer, activation, layer_norm
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import ImagePromptHooks, VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
 
 
@@ -194,10 +194,11 @@ class Blip2VisionSide(nn.Module):
 VISION_SIDE_PREFIXES = ("vision_model.", "query_tokens", "qformer.", "language_projection.")
 
 
-class Blip2Common:
+class Blip2Common(ImagePromptHooks):
     """What both BLIP-2 language models share: the processor hooks (an image is num_query_tokens
     placeholders; a prompt without image markers gets its images first, before BOS, as
-    Blip2Processor lays it out) and the weight routing (vision side here, the rest to the
+    Blip2Processor lays it out; the other hooks' defaults from ImagePromptHooks, for the T5 variant
+    too) and the weight routing (vision side here, the rest to the
     language model)."""
 
     num_query_tokens: int

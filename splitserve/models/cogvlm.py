@@ -36,7 +36,7 @@ from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.rotary import apply_rotary_qk
 from splitserve.models.decoder import DecoderLayer
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.media import MediaError
 from splitserve.multimodal.processor import IMAGE_MARKER, to_device_pixels
 

@@ -21,7 +21,7 @@ import torch
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.loading.checkpoint_tokens import checkpoint_token_id
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 
 # Ids of the released fuyu-8b vocabulary, for a checkpoint folder without a tokenizer to ask.
 _NEWLINE_ID, _ANSWER_ID = 71019, 7

@@ -28,7 +28,7 @@ from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
 from splitserve.loading.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
 
 # Ids of the released kosmos-2-patch14-224 vocabulary, for a folder without a tokenizer to ask.

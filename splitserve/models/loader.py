@@ -14,6 +14,7 @@ from splitserve.loading.gguf_io import iter_gguf
 from splitserve.loading.hf_config import read_hf_config
 from splitserve.loading.resolve import ModelSource
 from splitserve.loading.safetensors_io import iter_safetensors
+from splitserve.models.interfaces import capabilities_of
 from splitserve.models.registry import config_reader, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
     finally:
         torch.set_default_dtype(prev)
     model.eval()
+    caps = capabilities_of(model)  # the interface checked once, here (models/interfaces.py)
     if max_model_len is not None:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
@@ -71,7 +73,7 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: str, 
         # A family with its own layout (VILA's part folders) says how to read it. With tensor or
         # pipeline parallelism safetensors are read lazily: each layer reads its rank's part only.
         # (GGUF tensors are read and dequantized whole, then cut: its block formats are not sliceable.)
-        reader = getattr(cls, "iter_weights", iter_safetensors)
+        reader = caps.weight_reader or iter_safetensors
         lazy = tp_group().world_size > 1 or pp_group().world_size > 1
         weights = iter_gguf(source.path, hf_config) if source.gguf_file else reader(source.directory, lazy=lazy)
         loaded = model.load_weights(weights)

@@ -29,7 +29,7 @@ import torch
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.loading.nemo_archive import iter_merged
 from splitserve.loading.neva_nemo import PATCH_TOKEN, VIDEO_TOKEN_INDEX
 

@@ -37,7 +37,7 @@ from torch import nn
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.media import MediaError
 from splitserve.multimodal.processor import IMAGE_MARKER, to_device_pixels
 

@@ -19,7 +19,7 @@ import torch
 
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.loading.safetensors_io import iter_safetensors
 
 VILA_ARCHITECTURES = ("LlavaLlamaModel", "LlavaLlamaForCausalLM")
