@@ -1,7 +1,7 @@
 """NeVA's `.nemo` archives as a model directory: the conversion `nemo_archive.unpack` calls (tokenizer,
 chat template, stop ids, image processor written next to the unpacked archive) and the config reader
 for the unpacked directory. Here, below models/, because resolving a model path (`resolve.py`) unpacks
-archives before any model code is imported; the model itself is models/neva.py."""
+archives before any model code is imported; the model itself is models/neva/."""
 from __future__ import annotations
 
 import json

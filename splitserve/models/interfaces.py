@@ -6,12 +6,13 @@ getattr/hasattr where they are used.
 - TextModel: every model. The runner's flat token stream: `forward(input_ids, positions, ...)` returns
   hidden states [T, hidden], `compute_logits(hidden, out=None)` the logits; `load_weights` takes
   (checkpoint name, tensor) pairs and returns the parameter names it filled.
-- SupportsImageInput: models that take images (decoder-only VLMs, BLIP-2 T5). Required: the image
-  token id, `num_image_tokens`, `encode_images`, `embed`; the optional hooks are the attributes of
-  models/vlm_base.ImagePromptHooks, None where a model has none (multimodal/ reads them as plain
+- SupportsImagePrompts: models that take images through placeholder runs (decoder-only VLMs, BLIP-2
+  T5): the image token id and `num_image_tokens`; the optional hooks are the attributes of
+  models/prompt_hooks.ImagePromptHooks, None where a model has none (multimodal/ reads them as plain
   attributes: it sits below models/ and cannot import this module, so the contract is written here).
-  Models with a processor of their own (`mm_processor_class`: Pix2Struct, Nougat) take images in their
-  encoder and satisfy EncoderDecoder instead.
+  Models with a processor of their own (`mm_processor_class`: Pix2Struct, Nougat) are exempt.
+- SupportsImageInput: images in the decoder's input (decoder-only VLMs): also `encode_images`,
+  `embed` (multimodal/step.py).
 - EncoderDecoder: `encode` (a step's encoder inputs -> encoder hidden states) and `store_cross_kv`
   (worker/encoder_decoder.py).
 - SupportsPiecewise: the decoder in segments for piecewise CUDA graphs (worker/cuda_graphs.py):
@@ -40,11 +41,18 @@ class TextModel(Protocol):
 
 
 @runtime_checkable
-class SupportsImageInput(Protocol):
+class SupportsImagePrompts(Protocol):
+    """The front's side: what multimodal/processor.MultiModalProcessor reads (with the optional hooks
+    of models/prompt_hooks.ImagePromptHooks)."""
     is_multimodal: bool
     image_token_id: int | None
 
     def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int: ...
+
+
+@runtime_checkable
+class SupportsImageInput(SupportsImagePrompts, Protocol):
+    """Images in the decoder's input embeddings: what multimodal/step.py calls each step."""
 
     def encode_images(self, items) -> list[torch.Tensor]: ...
 
@@ -106,7 +114,10 @@ def _compute(model) -> ModelCapabilities:
     own_processor = multimodal and inspect.getattr_static(model, "mm_processor_class", None) is not None
     if encoder_decoder and not isinstance(model, EncoderDecoder):
         raise TypeError(f"{type(model).__name__} says is_encoder_decoder but lacks encode/store_cross_kv")
-    if multimodal and not own_processor and not isinstance(model, SupportsImageInput):
+    if multimodal and not own_processor and not isinstance(model, SupportsImagePrompts):
+        raise TypeError(f"{type(model).__name__} says is_multimodal but lacks the SupportsImagePrompts members "
+                        f"(models/interfaces.py)")
+    if multimodal and not encoder_decoder and not isinstance(model, SupportsImageInput):
         raise TypeError(f"{type(model).__name__} says is_multimodal but lacks the SupportsImageInput methods "
                         f"(models/interfaces.py)")
     layers = model.layers if isinstance(model, SupportsLoRA) else None

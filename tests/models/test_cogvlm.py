@@ -174,7 +174,8 @@ def test_real_size_config_has_cogvlm_17b_parameter_count():
     """benchmarks/configs/cogvlm-17b on the meta device: Vicuna-7B (6.74B) + the visual expert
     (QKV with bias, dense, MLP per layer: 6.44B) + EVA2-CLIP-E (4.28B) + the GLU projector (0.14B)
     = 17.6B, the "17B" of the name (10B vision + 7B language in the paper's split)."""
-    from splitserve.models.cogvlm import CogVLMForCausalLM, load_cogvlm_config
+    from splitserve.models.cogvlm.config import load_cogvlm_config
+    from splitserve.models.cogvlm.model import CogVLMForCausalLM
     root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "cogvlm-17b")
     config = load_cogvlm_config(root)
     with torch.device("meta"):

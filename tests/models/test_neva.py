@@ -332,7 +332,7 @@ def test_pad_aspect_ratio_pads_to_a_square_first():
     processor (written independently in the reference)."""
     from types import SimpleNamespace
 
-    from splitserve.models.neva import NevaForCausalLM
+    from splitserve.models.neva.model import NevaForCausalLM
     from tests.neva_reference import clip_image_processor, expand_to_square
     proc = clip_image_processor()
     for size in ((90, 40), (40, 90), (56, 56)):

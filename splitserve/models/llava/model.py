@@ -14,11 +14,12 @@ from torch import nn
 
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
+from splitserve.models.llava.processor import LlavaNextProcessing, LlavaProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
 
 
-class LlavaForConditionalGeneration(VisionLanguageModel):
+class LlavaForConditionalGeneration(LlavaProcessing, VisionLanguageModel):
     def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
@@ -29,19 +30,9 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.multi_modal_projector = MlpProjector(in_dim, config.text_config.hidden_size,
                                                   getattr(config, "projector_hidden_act", "gelu"),
                                                   getattr(config, "multimodal_projector_bias", True))
-        if config.vision_feature_select_strategy not in ("default", "full"):
-            raise ValueError(f"unsupported vision_feature_select_strategy {config.vision_feature_select_strategy!r}")
-        # "default" drops the first token of the tower's output (CLIP's class token).
-        self.skip_first = int(config.vision_feature_select_strategy == "default")
-        image_token = getattr(config, "image_token_id", None)
-        self.image_token_id = image_token if image_token is not None else config.image_token_index
-        tower_tokens = self.vision_tower.num_patches + int(self.vision_tower.is_clip)
-        self.tokens_per_tile = tower_tokens - self.skip_first
+        self.init_processing(config)  # image token, skip_first, tokens_per_tile (processor.py)
 
     # -- images ----------------------------------------------------------------------------------
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.tokens_per_tile
-
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, tokens_per_tile, text hidden]: tower, feature selection, projector."""
         feats = self.vision_tower(pixel_values)[:, self.skip_first:]
@@ -77,45 +68,14 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         return loaded
 
 
-class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+class LlavaNextForConditionalGeneration(LlavaNextProcessing, LlavaForConditionalGeneration):
     """Any-resolution LLaVA: the image is tiled at the best-fitting grid resolution plus one
     downscaled base tile; grid features are stitched back into one map, the padding the processor
-    added is cut off, and a learned newline vector ends every row."""
+    added is cut off, and a learned newline vector ends every row (grid arithmetic: processor.py)."""
 
     def __init__(self, config, quant_config=None):
         super().__init__(config, quant_config)
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size), requires_grad=False)
-        self.tile_size = config.vision_config.image_size
-        self.side = config.vision_config.image_size // config.vision_config.patch_size
-        self.pinpoints = [tuple(p) for p in config.image_grid_pinpoints]
-        if self.tokens_per_tile != self.side * self.side:
-            raise ValueError("LLaVA-NeXT needs one feature per patch (CLS dropped, or a tower without CLS "
-                             "and vision_feature_select_strategy 'full')")
-
-    def _grid(self, image_size: tuple[int, int]) -> tuple[int, int]:
-        from transformers.image_processing_utils import select_best_resolution
-        h, w = select_best_resolution(tuple(image_size), self.pinpoints)
-        return h // self.tile_size, w // self.tile_size
-
-    def _unpadded_window(self, image_size: tuple[int, int], grid: tuple[int, int]) -> tuple[int, int, int, int]:
-        """(top, height, left, width) of the real image inside the stitched feature map: the
-        processor resized it to fit the grid and padded the rest symmetrically. Rounding follows the
-        reference implementation exactly, as it decides the token count."""
-        orig_h, orig_w = image_size
-        cur_h, cur_w = grid[0] * self.side, grid[1] * self.side
-        if orig_w / orig_h > cur_w / cur_h:
-            new_h = int(round(orig_h * (cur_w / orig_w), 7))
-            pad = (cur_h - new_h) // 2
-            return pad, cur_h - 2 * pad, 0, cur_w
-        new_w = int(round(orig_w * (cur_h / orig_h), 7))
-        pad = (cur_w - new_w) // 2
-        return 0, cur_h, pad, cur_w - 2 * pad
-
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        if num_tiles == 1:
-            return self.tokens_per_tile + 1
-        _, h, _, w = self._unpadded_window(image_size, self._grid(image_size))
-        return self.tokens_per_tile + h * (w + 1)
 
     def encode_images(self, items) -> list[torch.Tensor]:
         tiles = self.tile_features(to_device_pixels(items, self._param.device, self._param.dtype))

@@ -31,7 +31,7 @@ from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tenso
 from splitserve.layers.vision import MlpProjector, VisionTower
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.loading.nemo_archive import iter_merged
-from splitserve.loading.neva_nemo import PATCH_TOKEN, VIDEO_TOKEN_INDEX
+from splitserve.models.neva.processor import NevaProcessing
 
 
 # -- weights ------------------------------------------------------------------------------------------
@@ -94,11 +94,8 @@ def split_grouped_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -
             w[:, per + 1].reshape(groups * head_dim, *rest))
 
 
-class NevaForCausalLM(VisionLanguageModel):
+class NevaForCausalLM(NevaProcessing, VisionLanguageModel):
     iter_weights = staticmethod(iter_neva_weights)
-    image_token = PATCH_TOKEN
-    image_token_id = None  # the tokenizer's id of PATCH_TOKEN (the processor looks it up)
-    video_token_index = VIDEO_TOKEN_INDEX
 
     def __init__(self, config, quant_config=None):
         super().__init__()
@@ -112,42 +109,7 @@ class NevaForCausalLM(VisionLanguageModel):
             self.mm_projector = MlpProjector(vis, text, "gelu", True)
         else:
             self.mm_projector = Linear(vis, text, bias=True)
-        self.skip_first = int(neva["class_token_length"])
-        self.tokens_per_image = self.vision_tower.num_patches + 1 - self.skip_first
-        self.num_frames = int(getattr(config, "num_frames", None) or neva["num_frames"])
-        self.pad_to_square = neva["image_aspect_ratio"] == "pad"
-
-    # -- prompts (hooks of multimodal/processor.py) ------------------------------------------------
-    @staticmethod
-    def tokenize_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
-        """`<image>` -> the placeholder id, `<video>` -> VIDEO_TOKEN_INDEX; pieces tokenized apart
-        without special tokens (NeMo's prompts carry no BOS)."""
-        ids: list[int] = []
-        for piece in re.split(r"(<image>|<video>)", text):
-            if piece == "<image>":
-                ids.append(marker_id)
-            elif piece == "<video>":
-                ids.append(VIDEO_TOKEN_INDEX)
-            elif piece:
-                ids.extend(tokenizer.encode(piece, add_special_tokens=False))
-        return ids
-
-    def preprocess_image(self, image_processor, img):
-        if self.pad_to_square and img.size[0] != img.size[1]:  # NeMo's expand2square, mean-colour fill
-            from PIL import Image
-            side = max(img.size)
-            fill = tuple(int(round(m * 255)) for m in image_processor.image_mean)
-            square = Image.new(img.mode, (side, side), fill)
-            square.paste(img, ((side - img.size[0]) // 2, (side - img.size[1]) // 2))
-            img = square
-        pixels = image_processor(images=[img], return_tensors="pt")["pixel_values"]
-        return pixels, (img.size[1], img.size[0]), self.tokens_per_image
-
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.tokens_per_image * num_tiles  # a video's frames are its tiles
-
-    def num_video_tokens(self, num_frames: int) -> int:
-        return self.tokens_per_image * num_frames
+        self.init_processing(config)  # skip_first, token counts, frames (processor.py)
 
     # -- encoding ----------------------------------------------------------------------------------
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@
 VILA1.5-3B: SigLIP-so400m at 384 px (27x27 patches), hidden state of the second-to-last layer
 with every token kept ("cls_patch"; SigLIP has no class token), the `mlp_downsample` projector
 (2x2 neighbouring patches concatenated -> 14x14 = 196 tokens per image), and a Llama decoder.
+Config reader: config.py; the front's hooks: processor.py.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Iterator
 
@@ -19,43 +19,11 @@ import torch
 
 from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
+from splitserve.models.vila.processor import VilaProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.loading.safetensors_io import iter_safetensors
 
-VILA_ARCHITECTURES = ("LlavaLlamaModel", "LlavaLlamaForCausalLM")
 _PARTS = ("llm", "vision_tower", "mm_projector")
-
-
-def is_vila_dir(directory: str) -> bool:
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path) or not os.path.isdir(os.path.join(directory, "llm")):
-        return False
-    with open(path) as f:
-        cfg = json.load(f)
-    return cfg.get("model_type") == "llava_llama" or any(a in VILA_ARCHITECTURES for a in cfg.get("architectures") or [])
-
-
-def load_vila_config(directory: str):
-    """The decoder's HF config, carrying the VILA settings and the vision config as attributes, so
-    the engine reads layer counts, heads and vocabulary from it as for a text model."""
-    from transformers import AutoConfig
-    with open(os.path.join(directory, "config.json")) as f:
-        root = json.load(f)
-    config = AutoConfig.from_pretrained(os.path.join(directory, "llm"))
-    config.vision_config = AutoConfig.from_pretrained(os.path.join(directory, "vision_tower"))
-    if getattr(config.vision_config, "vision_config", None) is not None:  # a full SigLIP config
-        config.vision_config = config.vision_config.vision_config
-    projector_cfg = os.path.join(directory, "mm_projector", "config.json")
-    projector_type = root.get("mm_projector_type")
-    if os.path.isfile(projector_cfg):
-        with open(projector_cfg) as f:
-            projector_type = json.load(f).get("mm_projector_type", projector_type)
-    config.mm_projector_type = projector_type or "mlp_downsample"
-    config.mm_vision_select_layer = root.get("mm_vision_select_layer", -2)
-    config.mm_vision_select_feature = root.get("mm_vision_select_feature", "cls_patch")
-    config.image_token_id = root.get("image_token_id")
-    config.architectures = ["LlavaLlamaModel"]
-    return config
 
 
 def iter_vila_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,8 +33,7 @@ def iter_vila_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str,
             yield f"{part}.{name}", tensor
 
 
-class VilaForConditionalGeneration(VisionLanguageModel):
-    image_processor_subfolder = "vision_tower"
+class VilaForConditionalGeneration(VilaProcessing, VisionLanguageModel):
     iter_weights = staticmethod(iter_vila_weights)
 
     def __init__(self, config, quant_config=None):
@@ -77,16 +44,7 @@ class VilaForConditionalGeneration(VisionLanguageModel):
         if config.mm_projector_type != "mlp_downsample":
             raise ValueError(f"VILA projector {config.mm_projector_type!r} is not supported (mlp_downsample is)")
         self.mm_projector = DownsampleMlpProjector(config.vision_config.hidden_size, config.hidden_size)
-        if config.mm_vision_select_feature not in ("cls_patch", "patch"):
-            raise ValueError(f"unsupported mm_vision_select_feature {config.mm_vision_select_feature!r}")
-        self.skip_first = int(config.mm_vision_select_feature == "patch")
-        side = int(round((self.vision_tower.num_patches + int(self.vision_tower.is_clip) - self.skip_first) ** 0.5))
-        self.tokens_per_image = ((side + 1) // 2) ** 2
-        # None: the processor takes the tokenizer's <image> token if it has one, else token 0.
-        self.image_token_id = config.image_token_id
-
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.tokens_per_image
+        self.init_processing(config)  # skip_first, tokens_per_image, image token (processor.py)
 
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, tokens, text hidden]."""

@@ -27,12 +27,9 @@ from torch import nn
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
-from splitserve.loading.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
+from splitserve.models.kosmos2.processor import Kosmos2Processing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
-
-# Ids of the released kosmos-2-patch14-224 vocabulary, for a folder without a tokenizer to ask.
-_BOI_ID, _EOI_ID, _UNK_ID = 64003, 64004, 3
 
 
 class LatentQueryResampler(nn.Module):
@@ -57,7 +54,7 @@ class LatentQueryResampler(nn.Module):
         return a.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
-class Kosmos2ForConditionalGeneration(VisionLanguageModel):
+class Kosmos2ForConditionalGeneration(Kosmos2Processing, VisionLanguageModel):
     def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
@@ -69,26 +66,9 @@ class Kosmos2ForConditionalGeneration(VisionLanguageModel):
         self.post_layernorm.requires_grad_(False)
         self.image_to_text_projection = LatentQueryResampler(vcfg.hidden_size, text.hidden_size,
                                                              text.num_attention_heads, config.latent_query_num)
-        self.num_queries = config.latent_query_num
-        self.image_token_id = checkpoint_token_id(config, "<image>", _BOI_ID)
-        self.end_image_id = checkpoint_token_id(config, "</image>", _EOI_ID)
-        self.first_slot_id = checkpoint_special_id(config, "unk_token", _UNK_ID) + 1
+        self.init_processing(config)  # queries, token ids (processor.py)
 
     # -- images ----------------------------------------------------------------------------------
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.num_queries + 2
-
-    def image_run_ids(self, image, placeholder_id: int) -> list[int]:
-        return [placeholder_id, *range(self.first_slot_id, self.first_slot_id + self.num_queries), self.end_image_id]
-
-    def format_prompt(self, text: str, num_images: int, tokenizer) -> tuple[str, bool]:
-        """Kosmos2Processor's text: BOS, then (for a prompt without `<image>` markers) one marker per
-        image before the stripped text; tokenized without special tokens (so no EOS)."""
-        text = text.strip()
-        if num_images and "<image>" not in text:
-            text = " ".join(["<image>"] * num_images) + " " + text
-        return (tokenizer.bos_token or "") + text, False
-
     def encode_images(self, items) -> list[torch.Tensor]:
         pixels = to_device_pixels(items, self._param.device, self._param.dtype)
         feats = F.normalize(self.post_layernorm(self.vision_tower(pixels)), dim=-1)
@@ -96,15 +76,6 @@ class Kosmos2ForConditionalGeneration(VisionLanguageModel):
         ends = self.language_model.embed(torch.tensor([self.image_token_id, self.end_image_id],
                                                       device=latents.device)).to(latents.dtype)
         return [torch.cat([ends[:1], f, ends[1:]]) for f in latents]
-
-    # -- grounding -------------------------------------------------------------------------------
-    def postprocess_text(self, text: str) -> dict:
-        """transformers' Kosmos-2 post-processing of generated text: the text without location
-        tokens, and entities (phrase, (start, end) in that text, boxes as (x0, y0, x1, y1) in [0, 1])."""
-        from transformers.models.kosmos2.processing_kosmos2 import clean_text_and_extract_entities_with_bboxes
-        cleaned, entities = clean_text_and_extract_entities_with_bboxes(text.split("</image>")[-1])
-        return {"text": cleaned, "entities": [{"phrase": phrase, "span": list(span), "boxes": [list(b) for b in boxes]}
-                                              for phrase, span, boxes in entities]}
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

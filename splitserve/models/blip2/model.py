@@ -28,7 +28,8 @@ from torch import nn
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionEncoderLayer, activation, layer_norm
-from splitserve.models.vlm_base import ImagePromptHooks, VisionLanguageModel, build_language_model
+from splitserve.models.blip2.processor import Blip2Processing
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
 
 
@@ -194,21 +195,11 @@ class Blip2VisionSide(nn.Module):
 VISION_SIDE_PREFIXES = ("vision_model.", "query_tokens", "qformer.", "language_projection.")
 
 
-class Blip2Common(ImagePromptHooks):
-    """What both BLIP-2 language models share: the processor hooks (an image is num_query_tokens
-    placeholders; a prompt without image markers gets its images first, before BOS, as
-    Blip2Processor lays it out; the other hooks' defaults from ImagePromptHooks, for the T5 variant
-    too) and the weight routing (vision side here, the rest to the
-    language model)."""
+class Blip2Common(Blip2Processing):
+    """What both BLIP-2 language models share: the front's hooks (processor.py; the T5 variant gets
+    them here too) and the weight routing (vision side here, the rest to the language model)."""
 
-    num_query_tokens: int
     vision_side: Blip2VisionSide
-
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.num_query_tokens
-
-    def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
-        return [marker_id] * num_images + ids
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
@@ -239,8 +230,7 @@ class Blip2ForConditionalGeneration(Blip2Common, VisionLanguageModel):
         self.language_model = build_language_model(config.text_config, quant_config, "language_model.model",
                                                    "language_model.lm_head")
         self.vision_side = Blip2VisionSide(config, config.text_config.hidden_size)
-        self.image_token_id = getattr(config, "image_token_index", None)
-        self.num_query_tokens = config.num_query_tokens
+        self.init_processing(config)  # image token, num_query_tokens (processor.py)
 
     # -- images ----------------------------------------------------------------------------------
     def encode_images(self, items) -> list[torch.Tensor]:
