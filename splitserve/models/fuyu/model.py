@@ -19,9 +19,19 @@ from typing import Iterable
 import torch
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor
 from splitserve.models.fuyu.processor import FuyuProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
+
+# Checkpoint name -> module, for both layouts (see load_weights): `model.` dropped except before
+# `language_model.`, whose tensors keep it (the decoder's own names start with it).
+FUYU_WEIGHTS = (
+    WeightRoute("model.language_model.", "text", "model."),
+    WeightRoute("model.", "rename"),
+    WeightRoute("language_model.", "text"),
+    WeightRoute("lm_head.weight", "text", "lm_head.weight"),
+    WeightRoute("vision_embed_tokens.", "linear", "vision_embed_tokens"),
+)
 
 
 class FuyuForCausalLM(FuyuProcessing, VisionLanguageModel):
@@ -52,23 +62,4 @@ class FuyuForCausalLM(FuyuProcessing, VisionLanguageModel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Both layouts: `language_model.model.*` / `language_model.lm_head.*` / `vision_embed_tokens.*`
         (as saved) and `model.language_model.*` / `lm_head.*` / `model.vision_embed_tokens.*`."""
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("model.") and not name.startswith("model.language_model."):
-                    name = name[len("model."):]
-                if name.startswith("model.language_model."):
-                    yield "model." + name[len("model.language_model."):], tensor
-                elif name.startswith("language_model."):
-                    yield name[len("language_model."):], tensor
-                elif name == "lm_head.weight":
-                    yield name, tensor
-                elif name.startswith("vision_embed_tokens."):
-                    self.vision_embed_tokens.load(name.rpartition(".")[2], as_tensor(tensor))
-                    loaded.add(name)
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
+        return load_routed_weights(self, weights, FUYU_WEIGHTS)

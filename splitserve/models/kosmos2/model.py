@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
 from splitserve.models.kosmos2.processor import Kosmos2Processing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
 from splitserve.multimodal.processor import to_device_pixels
 
 
@@ -52,6 +52,17 @@ class LatentQueryResampler(nn.Module):
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
                    for t in (a.q_proj(queries), a.k_proj(context), a.v_proj(context)))
         return a.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+# Checkpoint name -> module: the text model's tensors to the language model; the ViT's post-norm is
+# the model's own (every token goes through it), the rest of the ViT goes to the tower (read whole).
+KOSMOS2_WEIGHTS = (
+    WeightRoute("text_model.", "text"),
+    WeightRoute("vision_model.model.post_layernorm.", "param", "post_layernorm."),
+    WeightRoute("vision_model.model.", "tower", "vision_tower"),
+    WeightRoute("post_layernorm.", "param", "post_layernorm."),
+    WeightRoute("image_to_text_projection.", "param", "image_to_text_projection."),
+)
 
 
 class Kosmos2ForConditionalGeneration(Kosmos2Processing, VisionLanguageModel):
@@ -79,30 +90,4 @@ class Kosmos2ForConditionalGeneration(Kosmos2Processing, VisionLanguageModel):
 
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        own = {n: p for n, p in self.named_parameters() if n.startswith(("post_layernorm.", "image_to_text_projection."))}
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("text_model."):
-                    yield name[len("text_model."):], tensor
-                elif name.startswith("vision_model.model.post_layernorm."):
-                    name = name[len("vision_model.model."):]
-                    _copy(own, name, as_tensor(tensor))
-                    loaded.add(name)
-                elif name.startswith("vision_model.model."):
-                    filled = self.vision_tower.load_weight(name[len("vision_model.model."):], as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_tower.{filled}")
-                elif name in own:
-                    _copy(own, name, as_tensor(tensor))
-                    loaded.add(name)
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
-
-
-def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
-    copy_checkpoint_tensor(params[name], tensor, name)
+        return load_routed_weights(self, weights, KOSMOS2_WEIGHTS)

@@ -12,11 +12,23 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import MlpProjector, VisionTower
 from splitserve.models.llava.processor import LlavaNextProcessing, LlavaProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
 from splitserve.multimodal.processor import to_device_pixels
+
+
+# Checkpoint name -> module (models/weights.load_routed_weights): `model.` dropped first (the newer
+# layout), the language model's tensors to it, the tower's read whole on every rank, the projector
+# (and LLaVA-NeXT's image_newline) by their own names.
+LLAVA_WEIGHTS = (
+    WeightRoute("model.", "rename"),
+    WeightRoute("lm_head.weight", "text", "lm_head.weight"),
+    WeightRoute("language_model.", "text"),
+    WeightRoute("vision_tower.", "tower", "vision_tower"),
+    WeightRoute("", "param"),
+)
 
 
 class LlavaForConditionalGeneration(LlavaProcessing, VisionLanguageModel):
@@ -43,29 +55,7 @@ class LlavaForConditionalGeneration(LlavaProcessing, VisionLanguageModel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Both llava-hf layouts: `language_model.model.*` / `vision_tower.*` (original checkpoints)
         and `model.language_model.*` / `model.vision_tower.*` / `lm_head.*` (transformers >= 4.52)."""
-        loaded: set[str] = set()
-        params = dict(self.named_parameters())
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("model."):
-                    name = name[len("model."):]
-                if name == "lm_head.weight":
-                    yield name, tensor
-                elif name.startswith("language_model."):
-                    yield name[len("language_model."):], tensor
-                elif name.startswith("vision_tower."):  # replicated on every rank: read whole
-                    filled = self.vision_tower.load_weight(name[len("vision_tower."):], as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_tower.{filled}")
-                elif name in params:
-                    copy_checkpoint_tensor(params[name], tensor, name)
-                    loaded.add(name)
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
+        return load_routed_weights(self, weights, LLAVA_WEIGHTS)
 
 
 class LlavaNextForConditionalGeneration(LlavaNextProcessing, LlavaForConditionalGeneration):

@@ -30,13 +30,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
 from splitserve.models.phi3v.processor import Phi3VProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
 from splitserve.multimodal.processor import to_device_pixels
 
 _VISION_PREFIX = "model.vision_embed_tokens."
+# Checkpoint name -> module: the image embedder's tensors (the tower read whole on every rank, the
+# separators and projection the model's own; `wte` is the decoder's embedding saved again), every
+# other tensor the decoder's under its Phi-3 name.
+PHI3V_WEIGHTS = (
+    WeightRoute(_VISION_PREFIX + "wte.weight", "text", "model.embed_tokens.weight"),
+    WeightRoute(_VISION_PREFIX + "img_processor.", "tower", "vision_tower"),
+    WeightRoute(_VISION_PREFIX + "glb_GN", "param", "glb_GN"),
+    WeightRoute(_VISION_PREFIX + "sub_GN", "param", "sub_GN"),
+    WeightRoute(_VISION_PREFIX + "img_projection.", "param", "img_projection."),
+    WeightRoute(_VISION_PREFIX, "refuse"),
+    WeightRoute("", "text"),
+)
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -87,27 +99,4 @@ class Phi3VForCausalLM(Phi3VProcessing, VisionLanguageModel):
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        own = {"glb_GN": self.glb_GN, "sub_GN": self.sub_GN,
-               **{f"img_projection.{n}": p for n, p in self.img_projection.named_parameters()}}
-
-        def text_weights():
-            for name, tensor in weights:
-                if not name.startswith(_VISION_PREFIX):
-                    yield name, tensor
-                    continue
-                rest = name[len(_VISION_PREFIX):]
-                if rest == "wte.weight":  # the decoder's embedding, saved again under the image embedder
-                    yield "model.embed_tokens.weight", tensor
-                elif rest.startswith("img_processor."):  # replicated on every rank: read whole
-                    filled = self.vision_tower.load_weight(rest[len("img_processor."):], as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_tower.{filled}")
-                elif rest in own:
-                    copy_checkpoint_tensor(own[rest], tensor, name)
-                    loaded.add(rest)
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
+        return load_routed_weights(self, weights, PHI3V_WEIGHTS)

@@ -17,13 +17,19 @@ from typing import Iterable, Iterator
 
 import torch
 
-from splitserve.layers.quantization.base import as_tensor
 from splitserve.layers.vision import DownsampleMlpProjector, VisionTower
 from splitserve.models.vila.processor import VilaProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
 from splitserve.loading.safetensors_io import iter_safetensors
 
 _PARTS = ("llm", "vision_tower", "mm_projector")
+# Checkpoint name (part folder first, iter_vila_weights) -> module.
+VILA_WEIGHTS = (
+    WeightRoute("llm.", "text"),
+    WeightRoute("vision_tower.", "tower", "vision_tower"),  # replicated on every rank: read whole
+    WeightRoute("mm_projector.", "param", "mm_projector."),
+)
 
 
 def iter_vila_weights(directory: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,27 +57,4 @@ class VilaForConditionalGeneration(VilaProcessing, VisionLanguageModel):
         return self.mm_projector(self.vision_tower(pixel_values)[:, self.skip_first:])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        projector = dict(self.mm_projector.named_parameters())
-
-        def text_weights():
-            for name, tensor in weights:
-                part, _, rest = name.partition(".")
-                if part == "llm":
-                    yield rest, tensor
-                elif part == "vision_tower":  # replicated on every rank: read whole
-                    filled = self.vision_tower.load_weight(rest, as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_tower.{filled}")
-                elif part == "mm_projector" and rest in projector:
-                    if projector[rest].shape != tensor.shape:
-                        raise ValueError(f"mm_projector {rest}: checkpoint shape {tuple(tensor.shape)} != "
-                                         f"{tuple(projector[rest].shape)}")
-                    projector[rest].data.copy_(as_tensor(tensor))
-                    loaded.add(f"mm_projector.{rest}")
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
-
+        return load_routed_weights(self, weights, VILA_WEIGHTS)
