@@ -17,7 +17,7 @@ import time
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import default_model_source
+from splitserve.loading.resolve import default_model_source
 
 TOPICS = ["the sea", "a cat", "mountains", "rain", "a city at night", "coffee", "the moon", "trains",
           "autumn", "a library", "robots", "bread", "music", "winter", "a garden", "the desert"]

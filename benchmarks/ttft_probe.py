@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from server_breakdown import sums_and_counts  # noqa: E402
 
 from splitserve.bench.datasets import _PromptMaker  # noqa: E402
-from splitserve.models.resolve import load_tokenizer  # noqa: E402
+from splitserve.loading.resolve import load_tokenizer  # noqa: E402
 
 
 def server_ttft(client: httpx.Client, url: str) -> tuple[float, float]:

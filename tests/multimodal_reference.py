@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import transformers
 
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 
 IMAGE = "<image>"
 TILE = 56      # vision tower input side: 4x4 patches of 14 px

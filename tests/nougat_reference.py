@@ -3,7 +3,7 @@ text, and transformers' greedy reference."""
 import torch
 from PIL import Image, ImageDraw
 
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 
 NEW_TOKENS = 8
 PAGE = {"height": 64, "width": 48}  # the processor's canvas: 16 x 12 patches of 4, 4 x 3 after two merges

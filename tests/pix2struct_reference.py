@@ -3,7 +3,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from splitserve.models.pix2struct.processor import default_font_path, render_header
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 
 NEW_TOKENS = 10
 PATCH = {"height": 8, "width": 8}

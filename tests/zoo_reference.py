@@ -171,7 +171,7 @@ def kosmos2_processor(image_processor=None, tokenizer=None):
     (transformers' positions skip padding ids)."""
     from transformers import Kosmos2Processor
 
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     if tokenizer is None:
         tokenizer = load_tokenizer(None)
         tokenizer.unk_token = "<|im_end|>"

@@ -91,7 +91,7 @@ def load_bench_tokenizer(spec: str):
     """--tokenizer: 'default' is splitserve's default model; anything else goes through
     splitserve's model resolver (local dir, .gguf, cached hub repo), then plain AutoTokenizer
     for tokenizer-only directories (no config.json) the resolver does not accept."""
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     try:
         return load_tokenizer(None if spec == "default" else spec)
     except Exception as first:

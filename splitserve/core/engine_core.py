@@ -20,7 +20,7 @@ from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request import Request, RequestStatus
 from splitserve.core.scheduler import Scheduler
 from splitserve.fault_injection import install_step_faults
-from splitserve.models.resolve import load_serving_tokenizer
+from splitserve.loading.resolve import load_serving_tokenizer
 from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from splitserve.protocol.rank_messages import RanksLostError
 from splitserve.protocol.sched_output import GrammarBitmask

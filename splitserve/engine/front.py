@@ -17,7 +17,7 @@ import torch
 from splitserve.config import EngineConfig
 from splitserve.protocol.core_messages import EngineCoreRequest
 from splitserve.engine.output_processor import OutputProcessor, RequestState
-from splitserve.models.resolve import load_serving_tokenizer
+from splitserve.loading.resolve import load_serving_tokenizer
 from splitserve.sampling_params import SamplingParams, SamplingParamsError
 from splitserve.tokenize_parallel import encode_text
 
@@ -32,7 +32,7 @@ def build_front_mm_processor(config: EngineConfig, tokenizer, model=None):
     """The image processor of a vision-language model (None for text-only). It needs the model's
     image token and feature counts, not its weights: without a model at hand a meta-device copy serves."""
     from splitserve.models.registry import get_model_class
-    from splitserve.multimodal.processor import build_mm_processor
+    from splitserve.models.processors import build_mm_processor
     if model is None:
         _, cls = get_model_class(config.model.hf_config.architectures, config.model.hf_config)
         if not getattr(cls, "is_multimodal", False):

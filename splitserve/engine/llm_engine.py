@@ -13,7 +13,7 @@ from splitserve.engine.front import EngineFront, build_front_mm_processor, load_
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine.args import EngineArgs
 from splitserve.executor import build_engine_core
-from splitserve.models.text_config import TextConfig
+from splitserve.loading.text_config import TextConfig
 from splitserve.sampling_params import SamplingParams
 
 __all__ = ["EngineArgs", "EngineDeadError", "LLMEngine", "MAX_FAILED_STEPS_IN_A_ROW"]

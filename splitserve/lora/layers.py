@@ -133,8 +133,9 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int
     graph's padded batch if larger)."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
-    decoder = getattr(model, "language_model", model)
-    layers = getattr(decoder, "layers", None)
+    # The decoder layers (models/interfaces.SupportsLoRA): a VLM's `layers` are its language model's.
+    # Read here, not checked at load: lora/ sits below models/ and takes any module it is handed.
+    layers = getattr(model, "layers", None)
     if not layers:
         raise ValueError(f"LoRA is not supported for {type(model).__name__}: it has no decoder layers")
     state = LoRAState()

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.layers.rotary import rope_parameters
-from splitserve.models.text_config import layer_sliding_windows
+from splitserve.loading.text_config import layer_sliding_windows
 
 # How a checkpoint tensor of a merged or interleaved projection is cut into the decoder's shards.
 SPLIT_QKV = "split:qkv"            # [q; k; v] rows (Phi-3 qkv_proj)
@@ -136,16 +136,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(mlp="moe", qkv_bias="qkv_bias", o_bias=False, mlp_bias=False),
 }
 
-# model_type -> the architecture name a config without `architectures` (a GGUF file) stands for
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "granite": "GraniteForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "phi3": "Phi3ForCausalLM", "opt": "OPTForCausalLM", "persimmon": "PersimmonForCausalLM",
-    "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "nemotron": "NemotronForCausalLM",
-    "kosmos_2_text_model": "Kosmos2TextForCausalLM",  # Kosmos-2's language model, alone
-    "mbart": "MBartForCausalLM",  # mBART's decoder alone (with cross-attention: Nougat's, models/nougat.py)
-}
+# model_type -> architecture name: loading/architectures.py (config reading needs it below models/)
 
 
 def _is(value, *allowed) -> bool:

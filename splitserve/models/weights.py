@@ -7,6 +7,7 @@ only this rank's part of them, and a stage nothing of the layers it does not hol
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from splitserve.attention.layer import Attention, kv_scale_targets
 from splitserve.layers.linear import Linear
 from splitserve.layers.parallel_linear import VocabParallelEmbedding
-from splitserve.layers.quantization.base import as_tensor
+from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.models.families import INTERLEAVED_QKV, SPLIT_GATE_UP, SPLIT_QKV, DecoderSpec
 
 
@@ -171,3 +172,73 @@ def _copy(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+# -- vision-language checkpoints: a declarative name map -----------------------------------------------
+@dataclass(frozen=True)
+class WeightRoute:
+    """One rule of a VLM checkpoint's name map. Rules are tried in order on each checkpoint name; the
+    first that matches takes the tensor. `match` is a name prefix (ending in "." or empty), or a whole
+    name (anything else). `rest` below is the name after `match`. Kinds:
+
+    text     the language model's tensor, named `to` + rest
+    tower    `model.<to>.load_weight(rest)` (a vision tower or side: replicated, read whole; `whole_name`
+             passes the checkpoint name instead); it returns the parameter it filled, or None for a
+             tensor it does not use
+    param    the model's own parameter `to` + rest (shape-checked); where there is none, later rules
+    linear   `model.<to>.load(rest, tensor)`: an engine Linear of the model's own (Fuyu's patch projection)
+    rename   the name becomes `to` + rest and the later rules are tried on it
+    refuse   no rule takes it: an error
+    """
+    match: str
+    kind: str
+    to: str = ""
+    whole_name: bool = False
+
+    def matches(self, name: str) -> bool:
+        return name.startswith(self.match) if self.match.endswith(".") or not self.match else name == self.match
+
+
+def load_routed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                        routes: tuple[WeightRoute, ...]) -> set[str]:
+    """A VLM's checkpoint through its name map (`routes`): the language model's tensors stream into
+    `model.language_model.load_weights`, the rest land in the model's own modules as they pass. Returns
+    every parameter name filled (the language model's under `language_model.`)."""
+    loaded: set[str] = set()
+    params = dict(model.named_parameters())
+
+    def text_weights():
+        for name, tensor in weights:
+            taken = False
+            for route in routes:
+                if not route.matches(name):
+                    continue
+                rest = name[len(route.match):]
+                if route.kind == "rename":
+                    name = route.to + rest
+                    continue
+                if route.kind == "param" and route.to + rest not in params:
+                    continue
+                if route.kind == "refuse":
+                    break
+                taken = True
+                if route.kind == "text":
+                    yield route.to + rest, tensor
+                elif route.kind == "tower":
+                    filled = getattr(model, route.to).load_weight(name if route.whole_name else rest, as_tensor(tensor))
+                    if filled:
+                        loaded.add(f"{route.to}.{filled}")
+                elif route.kind == "param":
+                    copy_checkpoint_tensor(params[route.to + rest], tensor, name)
+                    loaded.add(route.to + rest)
+                elif route.kind == "linear":
+                    getattr(model, route.to).load(rest, as_tensor(tensor))
+                    loaded.add(f"{route.to}.{rest}")
+                else:
+                    raise ValueError(f"unknown weight route kind {route.kind!r}")
+                break
+            if not taken:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+
+    loaded |= {f"language_model.{n}" for n in model.language_model.load_weights(text_weights())}
+    return loaded

@@ -40,16 +40,21 @@ def load_image_processor(directory: str):
 
 
 class MultiModalProcessor:
+    """The front-side processor of a model that takes images through placeholder runs. `model` is a
+    SupportsImageInput (models/interfaces.py; a weightless copy will do): its optional hooks are
+    attributes that are None where the model has none (models/vlm_base.ImagePromptHooks), read here
+    as they are."""
+
     def __init__(self, model, model_directory: str, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
-        folder = os.path.join(model_directory, getattr(model, "image_processor_subfolder", ""))
+        folder = os.path.join(model_directory, model.image_processor_subfolder)
         # A model whose processor transformers lacks (remote code: Phi-3-vision) brings its own.
-        own_processor = getattr(model, "load_image_processor", None)
+        own_processor = model.load_image_processor
         self.image_processor = own_processor(folder) if own_processor else load_image_processor(folder)
         # A model's own prompt format (Phi-3-vision's <|image_N|>): text -> ids with one marker id per image.
-        self.tokenize_prompt = getattr(model, "tokenize_prompt", None)
-        marker = getattr(model, "image_token", IMAGE_MARKER)  # the placeholder's token text
+        self.tokenize_prompt = model.tokenize_prompt
+        marker = model.image_token  # the placeholder's token text
         marker_id = tokenizer.convert_tokens_to_ids(marker) if tokenizer is not None else None
         unk = getattr(tokenizer, "unk_token_id", None)
         if marker_id == unk:
@@ -66,15 +71,15 @@ class MultiModalProcessor:
         # token-id prompt that holds it without an image is refused (check_token_ids).
         self.placeholder_is_dedicated = placeholder is not None or self.marker_is_token
         # Videos: the id that marks one (None: the model takes none) and the frames sampled from it.
-        self.video_marker_id = getattr(model, "video_token_index", None)
-        self.num_frames = getattr(model, "num_frames", None)
+        self.video_marker_id = model.video_token_index
+        self.num_frames = model.num_frames
         self.max_model_len: int | None = None  # set by the engine's front: a video too long is a 400
 
     # -- images ----------------------------------------------------------------------------------
     def process_image(self, img) -> ProcessedImage:
         # Hook: a model whose image processor gives more than pixel tiles (Fuyu's patch grids) turns
         # one image into (pixel_values, image_size, num_tokens) itself.
-        custom = getattr(self.model, "preprocess_image", None)
+        custom = self.model.preprocess_image
         if custom is not None:
             pixels, size, n = custom(self.image_processor, img)
             return ProcessedImage(image_hash(img), pixels.contiguous(), size, n)
@@ -141,7 +146,7 @@ class MultiModalProcessor:
 
     def text_prompt_ids(self, text: str) -> list[int]:
         """A text prompt without images, as the model's own processor would tokenize it."""
-        format_text = getattr(self.model, "format_prompt", None)
+        format_text = self.model.format_prompt
         if format_text is None:
             return list(self.tokenizer.encode(text, add_special_tokens=True))
         text, special = format_text(text, 0, self.tokenizer)
@@ -149,7 +154,7 @@ class MultiModalProcessor:
 
     def build_prompt(self, prompt: str | list[int], images: list[ProcessedImage]) -> MultiModalPrompt:
         """Expands each image marker of the prompt into the image's placeholder tokens."""
-        format_text = getattr(self.model, "format_prompt", None)
+        format_text = self.model.format_prompt
         if isinstance(prompt, str) and format_text is not None:
             # Hook: a model whose processor rewrites the prompt text (Kosmos-2: BOS and the image
             # markers written out, no EOS) says how, and whether to add special tokens after it.
@@ -159,7 +164,7 @@ class MultiModalProcessor:
             ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         video_id = self.video_marker_id
         marks = [i for i, t in enumerate(ids) if t in self.marker_ids or (video_id is not None and t == video_id)]
-        arrange = getattr(self.model, "arrange_prompt", None)
+        arrange = self.model.arrange_prompt
         if not marks and images and arrange is not None:
             # Hook: where a model's own processor puts images in a prompt that names no place for
             # them (BLIP-2, Fuyu: first); returns the ids with one marker id per image.
@@ -186,12 +191,12 @@ class MultiModalProcessor:
             items.append(ImageItem(img.hash, img.pixel_values, img.image_size, img.num_tokens, len(out)))
             # Hook: a model whose image run holds other tokens than its placeholder (Fuyu's row ends)
             # gives the run's ids; the embeddings at every position of the run are still the model's.
-            run = getattr(self.model, "image_run_ids", None)
+            run = self.model.image_run_ids
             out.extend(run(img, self.placeholder_id) if run is not None else [self.placeholder_id] * img.num_tokens)
             prev = pos + 1
         out.extend(ids[prev:])
         prompt = MultiModalPrompt(out, items)
-        check = getattr(self.model, "check_mm_prompt", None)  # a model's own layout rules (CogVLM)
+        check = self.model.check_mm_prompt  # a model's own layout rules (CogVLM)
         if check is not None:
             check(prompt)
         return prompt
@@ -265,14 +270,6 @@ def has_images(messages: list[dict]) -> bool:
     return any(isinstance(m.get("content"), list) and
                any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES + VIDEO_PART_TYPES for p in m["content"])
                for m in messages)
-
-
-def build_mm_processor(model, source, tokenizer) -> MultiModalProcessor | None:
-    """The processor for a vision-language model, None for a text-only one."""
-    if not getattr(model, "is_multimodal", False):
-        return None
-    own = getattr(model, "mm_processor_class", None)  # a model whose prompts are not placeholder runs
-    return (own() if own is not None else MultiModalProcessor)(model, source.directory, tokenizer)
 
 
 def to_device_pixels(items: list[ImageItem], device, dtype) -> torch.Tensor:

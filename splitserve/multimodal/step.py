@@ -47,7 +47,7 @@ class MultiModalStepEncoder:
         compute tokens before the end of their last image run; the runner picks them vectorized."""
         # A model with per-token data of its own (CogVLM's expert mask and RoPE shift) writes it
         # into its static buffers for the step's tokens.
-        prepare = getattr(self.model, "prepare_step_tokens", None)
+        prepare = self.model.prepare_step_tokens  # None where the model has none (ImagePromptHooks)
         if prepare is not None:
             prepare(spans, input_ids.shape[0])
         # (row in the flat batch, item, first feature, last feature + 1)

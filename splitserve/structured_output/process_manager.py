@@ -117,7 +117,7 @@ class GrammarProcessManager:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], tokenizer_loader: Callable[[], object],
                  max_rows: int, max_workers: int = 2):
         """tokenizer_loader must pickle (the process calls it): e.g. functools.partial of
-        models.resolve.load_serving_tokenizer."""
+        loading.resolve.load_serving_tokenizer."""
         self.vocab_size = vocab_size
         self.bitmask_words = -(-vocab_size // 32)
         self._eos = tuple(eos_token_ids)

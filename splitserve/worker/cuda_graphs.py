@@ -33,6 +33,7 @@ import torch
 
 from splitserve.attention.backend import AttentionBackend, AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
+from splitserve.models.interfaces import capabilities_of
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class PiecewiseGraphs:
         self.layers = list(model.layers)
         self.sizes = sorted(sizes)
         self.use_graphs = use_graphs
-        self.accepts_embeds = bool(getattr(model, "is_multimodal", False))
+        self.accepts_embeds = capabilities_of(model).multimodal
         n, dev = self.sizes[-1], device
         attn = self.layers[0].self_attn
         dtype = attn.o_proj.params_dtype  # the activations' dtype (a quantized weight's is not)

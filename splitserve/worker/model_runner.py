@@ -21,6 +21,7 @@ from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.protocol.sched_output import SchedulerOutput
 from splitserve.layers.linear import cheaper_at_one_row
 from splitserve.layers.sampler import Sampler, SamplingMetadata
+from splitserve.models.interfaces import capabilities_of
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs,
@@ -83,10 +84,9 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm."""
-    layers = getattr(model, "layers", None)
-    return (bool(layers) and all(hasattr(layer, "attn_inputs") for layer in layers) and hasattr(model, "norm")
-            and hasattr(model, "start"))
+    """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm
+    (models/interfaces.SupportsPiecewise, checked once per model)."""
+    return capabilities_of(model).piecewise
 
 
 def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -173,12 +173,13 @@ class ModelRunner:
         self.steps_by_path = {"decode_graph": 0, "piecewise": 0, "eager": 0}
         # Vision-language models: encodes a step's images and builds its input embeddings.
         self.mm = None
-        if getattr(model, "is_multimodal", False) and not getattr(model, "is_encoder_decoder", False):
+        caps = capabilities_of(model)
+        if caps.decoder_images:
             from splitserve.multimodal.step import MultiModalStepEncoder
             self.mm = MultiModalStepEncoder(model)
         # Encoder-decoder models: runs the encoders a step asks for and lays out its cross-attention.
         self.encdec = None
-        if getattr(model, "is_encoder_decoder", False):
+        if caps.encoder_decoder:
             from splitserve.worker.encoder_decoder import EncoderDecoderStep
             self.encdec = EncoderDecoderStep(model, self.backend, config.scheduler.max_num_seqs,
                                              config.scheduler.max_num_batched_tokens, self.block_size, self.device)

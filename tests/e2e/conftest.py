@@ -72,7 +72,7 @@ class ServerProcess:
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama with the default model's tokenizer and chat template: a real server on it
     starts in seconds and runs hundreds of requests fast (the reliability tests)."""
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     from tests.hf_reference import make_tiny_llama_dir
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-server-model"), load_tokenizer(None),
                                num_kv_heads=2, tie=True, seed=11)

@@ -27,7 +27,7 @@ LONG_TOKENS = 60  # requests that are still running while adapters are loaded an
 def setup(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("lora-adapters")
     paths = {name: make_peft_adapter(hf, root / name, rank=rank, alpha=2 * rank, seed=seed, magnitude=0.1)

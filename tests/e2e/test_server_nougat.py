@@ -32,7 +32,7 @@ def nougat_server(tmp_path_factory):
 def test_page_chat_matches_transformers(nougat_server):
     from transformers import NougatTokenizer
 
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     client, hf, processor = nougat_server
     page = text_page(["A page for the server", "with two lines"])
     resp = client.chat.completions.create(model="tiny-nougat", messages=message(page), max_tokens=NEW_TOKENS,

@@ -43,7 +43,7 @@ def test_chart_chat_matches_transformers(deplot_server):
     resp = client.chat.completions.create(model="tiny-deplot", messages=message(chart), max_tokens=NEW_TOKENS,
                                           temperature=0, extra_body={"ignore_eos": True})
     tokens, _ = hf_greedy(hf, processor, chart, DEPLOT_PROMPT)
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     assert resp.choices[0].message.content == load_tokenizer(None).decode(tokens, skip_special_tokens=True)
     assert resp.usage.completion_tokens == NEW_TOKENS
     from tests.pix2struct_reference import hf_inputs

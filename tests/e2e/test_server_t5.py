@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.e2e.conftest import DEFAULT_ARGS, ServerProcess
 from tests.t5_reference import hf_t5_greedy, make_tiny_t5
 

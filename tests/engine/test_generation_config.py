@@ -6,7 +6,7 @@ import json
 import pytest
 
 from splitserve.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from splitserve.models.generation_config import apply_defaults, sampling_defaults
+from splitserve.loading.generation_config import apply_defaults, sampling_defaults
 
 QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
              "bos_token_id": 1, "eos_token_id": [2, 3], "transformers_version": "4.45.0"}

@@ -71,7 +71,7 @@ def test_ranks_of_an_engine_entry_match_a_full_sort():
 
 
 def test_output_processor_hands_out_ranked_logprobs():
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     tok = load_tokenizer(None)
     proc = OutputProcessor(tok)
     params = SamplingParams(max_tokens=2, logprobs=1)

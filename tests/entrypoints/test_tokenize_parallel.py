@@ -12,7 +12,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, pr
 from transformers import PreTrainedTokenizerFast
 
 from splitserve import tokenize_parallel as tp
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")

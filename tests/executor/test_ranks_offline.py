@@ -17,7 +17,7 @@ import torch
 from splitserve.core.engine_core import EngineDeadError
 from splitserve.fault_injection import RANK_ENV_VAR
 from splitserve.engine.llm import LLM
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from splitserve.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, make_tiny_llama_dir
 

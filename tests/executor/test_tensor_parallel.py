@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.parallel import parallel_state
-from splitserve.models.resolve import ModelSource, default_model_source, load_tokenizer
+from splitserve.loading.resolve import ModelSource, default_model_source, load_tokenizer
 from tests.hf_reference import make_tiny_llama_dir
 from tests.tp_harness import assert_same_steps, build_runner, run_ranks, run_schedule
 
@@ -148,7 +148,7 @@ def _expected_part(name: str, full: torch.Tensor, rank: int, tp: int, cfg: dict)
 
 
 def _params_and_reads(rank: int, source: ModelSource, monkeypatch_reads: bool):
-    from splitserve.models import safetensors_io
+    from splitserve.loading import safetensors_io
     from splitserve.models.loader import load_hf_config, load_model
     read = [0]
     original = safetensors_io.LazySlice.materialize

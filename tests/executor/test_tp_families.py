@@ -6,7 +6,7 @@ Persimmon its interleaved query_key_value (and row-parallel biases), OPT a plain
 learned positions and a tied head."""
 import pytest
 
-from splitserve.models.resolve import ModelSource, load_tokenizer
+from splitserve.loading.resolve import ModelSource, load_tokenizer
 from tests.hf_reference import make_tiny_hf_dir
 from tests.tp_harness import assert_same_steps, build_runner, run_ranks, run_schedule
 

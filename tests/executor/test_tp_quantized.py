@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from splitserve.models.resolve import ModelSource, load_tokenizer
+from splitserve.loading.resolve import ModelSource, load_tokenizer
 from tests.quant_reference import make_compressed_llama_dir
 from tests.tp_harness import assert_same_steps, build_runner, run_ranks, run_schedule
 

@@ -174,7 +174,8 @@ def test_real_size_config_has_cogvlm_17b_parameter_count():
     """benchmarks/configs/cogvlm-17b on the meta device: Vicuna-7B (6.74B) + the visual expert
     (QKV with bias, dense, MLP per layer: 6.44B) + EVA2-CLIP-E (4.28B) + the GLU projector (0.14B)
     = 17.6B, the "17B" of the name (10B vision + 7B language in the paper's split)."""
-    from splitserve.models.cogvlm import CogVLMForCausalLM, load_cogvlm_config
+    from splitserve.models.cogvlm.config import load_cogvlm_config
+    from splitserve.models.cogvlm.model import CogVLMForCausalLM
     root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "cogvlm-17b")
     config = load_cogvlm_config(root)
     with torch.device("meta"):
@@ -208,7 +209,7 @@ def test_tiny_overrides_build_a_small_model_with_the_real_geometry(tmp_path, nam
     import shutil
     from splitserve.models.loader import load_hf_config
     from splitserve.models.registry import get_model_class
-    from splitserve.models.resolve import resolve_model
+    from splitserve.loading.resolve import resolve_model
     from splitserve.protocol.mm_inputs import ImageItem
     root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", name)
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import default_model_source
+from splitserve.loading.resolve import default_model_source
 from tests.hf_reference import hf_greedy
 
 CHATS = [

@@ -5,7 +5,8 @@ import torch
 from transformers import CONFIG_MAPPING
 
 from splitserve.models.decoder import DecoderForCausalLM
-from splitserve.models.families import ARCHITECTURES, FAMILIES, decoder_spec
+from splitserve.loading.architectures import ARCHITECTURES
+from splitserve.models.families import FAMILIES, decoder_spec
 from splitserve.models.registry import get_model_class
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import default_model_source
+from splitserve.loading.resolve import default_model_source
 from tests.hf_reference import e4m3_kv_attention
 
 # The prompts of test_default_model.py.

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.hf_reference import e4m3_kv_attention, hf_greedy, make_tiny_llama_dir
 
 NEW_TOKENS = 24

@@ -122,7 +122,7 @@ def test_text_decoder_alone_matches_transformers(tmp_path):
     from transformers import Kosmos2TextConfig
     from transformers.models.kosmos2.modeling_kosmos2 import Kosmos2TextForCausalLM
 
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     from tests.hf_reference import assert_greedy_like_hf
     from tests.multimodal_reference import _randomize
     tok = load_tokenizer(None)

@@ -30,7 +30,7 @@ COLORS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (
 
 
 def neva_tokenizer():
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     tok = load_tokenizer(None)
     tok.add_special_tokens({"additional_special_tokens": EXTRA_IDS})
     return tok
@@ -257,7 +257,7 @@ def test_gzipped_tensor_parallel_mcore_archive_with_num_frames(setup):
 
 
 def test_archive_errors(tmp_path, monkeypatch):
-    from splitserve.models.neva import unpack_nemo as unpack
+    from splitserve.loading.neva_nemo import unpack_nemo as unpack
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "bad.nemo"
     bad.write_bytes(b"not a tar at all")
@@ -297,8 +297,8 @@ def test_sentencepiece_tokenizer_in_the_archive(tmp_path, monkeypatch):
     model with sentencepiece's dummy prefix differs at the start of a text: see DESIGN.md.)"""
     spm = pytest.importorskip("sentencepiece")
     pytest.importorskip("google.protobuf")
-    from splitserve.models.neva import unpack_nemo as unpack
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.neva_nemo import unpack_nemo as unpack
+    from splitserve.loading.resolve import load_tokenizer
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "cache"))
     text = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(100)] + \
         ["A chat between a curious user and an assistant.\nSystem User Assistant"] * 5
@@ -332,7 +332,7 @@ def test_pad_aspect_ratio_pads_to_a_square_first():
     processor (written independently in the reference)."""
     from types import SimpleNamespace
 
-    from splitserve.models.neva import NevaForCausalLM
+    from splitserve.models.neva.model import NevaForCausalLM
     from tests.neva_reference import clip_image_processor, expand_to_square
     proc = clip_image_processor()
     for size in ((90, 40), (40, 90), (56, 56)):

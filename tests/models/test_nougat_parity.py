@@ -128,7 +128,7 @@ def test_swin_encoder_matches_transformers_on_odd_grids(model_type, tmp_path):
         for name, p in ref.named_parameters():
             p.add_(torch.randn_like(p) * (0.5 if "relative_position" in name else 0.1))
     ref.save_pretrained(tmp_path)  # the checkpoint's names (transformers 5 renames Swin's in memory)
-    from splitserve.models.safetensors_io import iter_safetensors
+    from splitserve.loading.safetensors_io import iter_safetensors
     ours = SwinEncoder(config).eval()
     params = dict(ours.named_parameters())
     filled = {ours.load_weight(n, torch.as_tensor(t)) for n, t in iter_safetensors(str(tmp_path))} - {None}

@@ -14,7 +14,7 @@ from torch import nn
 from splitserve import LLM, SamplingParams
 from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.fp8 import Fp8Config
-from splitserve.models.resolve import default_model_source
+from splitserve.loading.resolve import default_model_source
 
 TEXT = Path(__file__).resolve().parent.parent / "fixtures" / "perplexity_text.txt"
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.phi3v import Phi3VImageProcessor
+from splitserve.models.phi3v.processor import Phi3VImageProcessor
 from splitserve.multimodal.encoder_cache import EncoderCache
 from tests.multimodal_reference import random_image
 from tests.phi3v_reference import CROP, ReferencePhi3V, make_tiny_phi3v_dir, phi3v_tokenizer, reference_preprocess
@@ -186,7 +186,8 @@ def test_real_size_config_has_phi3_vision_parameter_count():
     (Phi-3-mini's 3.82B + CLIP ViT-L/14-336 up to layer -2 + the HD projector); with the CLIP layer
     and post-norm the tower never runs, the checkpoint holds 4.147B (the model card's 4.2B)."""
     import os
-    from splitserve.models.phi3v import Phi3VForCausalLM, load_phi3v_config
+    from splitserve.models.phi3v.config import load_phi3v_config
+    from splitserve.models.phi3v.model import Phi3VForCausalLM
     root = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "phi-3-vision")
     config = load_phi3v_config(root)
     with torch.device("meta"):

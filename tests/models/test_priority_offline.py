@@ -4,7 +4,7 @@ is whole afterwards."""
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.hf_reference import make_tiny_llama_dir
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import default_model_source
+from splitserve.loading.resolve import default_model_source
 
 BUDGET = 8
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the dark forest."
@@ -104,7 +104,7 @@ def test_async_scheduling_and_preemption_on_a_tiny_model(tmp_path):
     preempted mid-prompt and recomputed: prompt logprobs still equal transformers'."""
     from transformers import LlamaForCausalLM
 
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     from tests.hf_reference import make_tiny_llama_dir
     model_dir = make_tiny_llama_dir(tmp_path / "tiny", load_tokenizer(None), num_kv_heads=2, tie=False, seed=5)
     llm = LLM(model_dir, max_num_batched_tokens=BUDGET, max_model_len=128, async_scheduling=True, block_size=8,

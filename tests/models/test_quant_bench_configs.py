@@ -14,7 +14,7 @@ from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.config import resolve_quant_config
 from splitserve.models.loader import load_hf_config
 from splitserve.models.registry import get_model_class
-from splitserve.models.resolve import ModelSource
+from splitserve.loading.resolve import ModelSource
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
 # name -> (the bytes of a [N, K] layer's quantized weight storage, its parameter names, the engine's description)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.quant_reference import (compare_greedy, hf_greedy_logprobs, make_compressed_llama_dir, to_deepseek_fp8,
                                    to_modelopt_fp8)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.hf_reference import assert_greedy_like_hf, make_tiny_llama_dir
 
 NEW_TOKENS = 24

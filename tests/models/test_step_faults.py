@@ -8,7 +8,7 @@ import pytest
 from splitserve import LLM, SamplingParams
 from splitserve.fault_injection import install_step_faults, parse_spec
 from splitserve.engine.llm_engine import MAX_FAILED_STEPS_IN_A_ROW, EngineDeadError
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.hf_reference import make_tiny_llama_dir
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

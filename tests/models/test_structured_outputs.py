@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from splitserve.sampling_params import StructuredOutputsParams as SO
 from tests.hf_reference import make_tiny_llama_dir
 

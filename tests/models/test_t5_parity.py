@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.t5_reference import assert_like_hf, hf_t5_greedy, make_tiny_t5
 
 NEW_TOKENS = 12
@@ -99,7 +99,7 @@ def test_t5_encoder_takes_input_embeddings(t5_dir):
     """`encode_embeds` (BLIP-2's Q-Former output goes in there) vs transformers' encoder on the same
     inputs_embeds, for a ragged batch (each sequence padded and masked to its own length)."""
     from splitserve.models.loader import load_hf_config, load_model
-    from splitserve.models.resolve import resolve_model
+    from splitserve.loading.resolve import resolve_model
     path, hf = t5_dir
     source = resolve_model(path)
     _, model = load_model(source, load_hf_config(source), torch.float32, "cpu")

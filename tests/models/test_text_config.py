@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from splitserve.layers.rotary import rope_parameters
-from splitserve.models.loader import load_hf_config, resolve_dtype
-from splitserve.models.resolve import ModelSource
-from splitserve.models.text_config import TextConfig, layer_sliding_windows, read_text_config
+from splitserve.loading.hf_config import resolve_dtype
+from splitserve.models.loader import load_hf_config
+from splitserve.loading.resolve import ModelSource
+from splitserve.loading.text_config import TextConfig, layer_sliding_windows, read_text_config
 
 CONFIG_8B = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "llama3-8b")
 

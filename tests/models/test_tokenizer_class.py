@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from splitserve.models.resolve import ModelSource, load_tokenizer, named_tokenizer_class
+from splitserve.loading.resolve import ModelSource, load_tokenizer, named_tokenizer_class
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n", "naïve café — 東京 🚀", "<|im_start|>user<|im_end|>", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.multimodal_reference import make_tiny_vila_dir, pil_class, random_image, vila_projector_state
 
 NEW_TOKENS = 10

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.quant_reference import compare_greedy, hf_greedy_logprobs
 from tests.wna16_reference import make_gptq_or_awq, make_pack_quantized
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from splitserve.worker.cuda_graphs import DecodeGraphs
 from splitserve.worker.model_runner import compile_decoder_layers
 from tests.quant_reference import compare_greedy, hf_greedy_logprobs

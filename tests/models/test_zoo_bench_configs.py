@@ -45,7 +45,7 @@ def count(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("name", [n for n in MODELS if os.path.isdir(os.path.join(CONFIGS, n))])
 def test_real_size_parameter_count_matches_transformers(name):
-    from splitserve.models.loader import expose_text_config
+    from splitserve.loading.hf_config import expose_text_config
     from splitserve.models.registry import get_model_class
     path = os.path.join(CONFIGS, name)
     config = transformers.AutoConfig.from_pretrained(path)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from splitserve.core.request import Request, RequestStatus
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.structured_output.manager import StructuredOutputManager
@@ -204,7 +204,7 @@ def test_no_grammar_process_outlives_a_killed_core(tmp_path):
     goes too."""
     script = textwrap.dedent("""
         import functools, sys, time
-        from splitserve.models.resolve import load_tokenizer
+        from splitserve.loading.resolve import load_tokenizer
         from splitserve.core.request import Request
         from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
         from splitserve.structured_output.process_manager import GrammarProcessManager

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve.protocol.sched_output import SchedulerOutput
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from splitserve.core.request import Request
 from splitserve.sampling_params import SamplingParams, StructuredOutputsParams
 from splitserve.structured_output.manager import StructuredOutputManager

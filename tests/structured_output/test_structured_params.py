@@ -50,7 +50,7 @@ def test_front_check_gives_the_reason(fields, match):
 
 def test_choice_grammar_accepts_exactly_the_choices():
     import xgrammar as xgr
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     choices = ['say "hi"', "back\\slash", "two\nlines", "é"]
     info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(None))
     compiled = xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_ebnf(choice_ebnf(choices)))

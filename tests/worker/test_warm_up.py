@@ -38,7 +38,7 @@ def test_warm_up_steps_run_and_leave_the_cache_untouched(tmp_path):
     import torch
 
     from splitserve import LLM, SamplingParams
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     from tests.hf_reference import make_tiny_llama_dir
     llm = LLM(make_tiny_llama_dir(tmp_path, load_tokenizer(None), num_kv_heads=2, tie=False),
               num_blocks=64, max_num_batched_tokens=128)

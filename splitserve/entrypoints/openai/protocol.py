@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer
 from pydantic.types import FailFast
 
-from splitserve.models.generation_config import apply_defaults
+from splitserve.loading.generation_config import apply_defaults
 from splitserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 # n fans a request out into n sequences; a cap keeps one request from flooding the engine.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.models.blip2 import Blip2Common, Blip2VisionSide
+from splitserve.models.blip2.model import Blip2Common, Blip2VisionSide
 from splitserve.models.t5.model import T5ForConditionalGeneration
 from splitserve.multimodal.processor import to_device_pixels
 

@@ -1,4 +1,5 @@
-"""CogVLM (`CogVLMForCausalLM`, THUDM/cogvlm-chat-hf; remote code in the real world).
+"""CogVLM (`CogVLMForCausalLM`, THUDM/cogvlm-chat-hf; remote code in the real world). Config reader:
+config.py; image transform, prompt layout and token count: processor.py.
 
 Vision: EVA2-CLIP-E (conv patches + class token + learned positions; layers whose attention and MLP
 outputs are LayerNorm-ed before the residual add), the class token dropped, a GLU projector
@@ -22,8 +23,6 @@ prompt puts the one image right after BOS (`build_conversation_input_ids`), and 
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Iterable
 
 import numpy as np
@@ -36,58 +35,11 @@ from splitserve.layers.linear import Linear
 from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.rotary import apply_rotary_qk
 from splitserve.models.decoder import DecoderLayer
-from splitserve.models.llava import VisionLanguageModel, build_language_model
-from splitserve.multimodal.media import MediaError
-from splitserve.multimodal.processor import IMAGE_MARKER, to_device_pixels
+from splitserve.models.cogvlm.processor import CogVLMProcessing
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.multimodal.processor import to_device_pixels
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_STEP_TOKENS = 65536  # the expert buffers' size: the most tokens one step may hold
-
-
-def load_cogvlm_config(directory: str):
-    """A LlamaConfig for the decoder, carrying the vision settings as `vision_config` (a dict)."""
-    from transformers import LlamaConfig
-    with open(os.path.join(directory, "config.json")) as f:
-        raw = json.load(f)
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps",
-            "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-            "tie_word_embeddings", "hidden_act", "torch_dtype")
-    config = LlamaConfig(**{k: raw[k] for k in keys if k in raw}, rope_theta=raw.get("rope_theta", 10000.0),
-                         num_key_value_heads=raw["num_attention_heads"], attention_bias=False, mlp_bias=False)
-    config.vision_config = dict(raw["vision_config"])
-    config.template_version = raw.get("template_version", "chat")
-    config.architectures = ["CogVLMForCausalLM"]
-    return config
-
-
-class CogVLMImageProcessor:
-    """The published transform: bicubic resize to S x S (no crop), CLIP normalization."""
-
-    def __init__(self, side: int):
-        self.side = side
-        self.mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
-        self.std = torch.tensor(CLIP_STD).view(3, 1, 1)
-
-    def __call__(self, images, return_tensors: str = "pt") -> dict:
-        from PIL import Image
-        out = []
-        for img in images:
-            x = np.asarray(img.convert("RGB").resize((self.side, self.side), Image.BICUBIC), dtype=np.float32)
-            out.append((torch.from_numpy(x / 255.0).permute(2, 0, 1) - self.mean) / self.std)
-        return {"pixel_values": torch.stack(out)}
-
-
-def tokenize_cogvlm_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
-    """[BOS, image marker] + the text without its marker, as build_conversation_input_ids lays a
-    prompt out (the image always follows BOS, wherever the marker stood)."""
-    if text.count(IMAGE_MARKER) > 1:
-        raise MediaError("CogVLM takes one image per prompt (the published model supports no more)")
-    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    if IMAGE_MARKER in text:
-        ids.append(marker_id)
-        text = text.replace(IMAGE_MARKER, "", 1)
-    return ids + list(tokenizer.encode(text, add_special_tokens=False))
 
 
 # -- EVA2-CLIP --------------------------------------------------------------------------------------
@@ -202,7 +154,7 @@ class VisionExpertLayer(DecoderLayer):
         return x, residual
 
 
-class CogVLMForCausalLM(VisionLanguageModel):
+class CogVLMForCausalLM(CogVLMProcessing, VisionLanguageModel):
     def __init__(self, config, quant_config=None):
         super().__init__()
         if quant_config is not None:
@@ -218,30 +170,9 @@ class CogVLMForCausalLM(VisionLanguageModel):
                                                     clears=i == n - 1) for i in range(n))
         vc = config.vision_config
         self.vision = EvaVision(vc, config.hidden_size, config.intermediate_size)
-        self.side = vc["image_size"]
-        self.tokens_per_image = (vc["image_size"] // vc["patch_size"]) ** 2 + 2
-        self.image_token_id = getattr(config, "image_token_id", None)
-
-    # -- front-end hooks (multimodal/processor.py) -------------------------------------------------
-    def load_image_processor(self, directory: str) -> CogVLMImageProcessor:
-        return CogVLMImageProcessor(self.side)
-
-    @staticmethod
-    def tokenize_prompt(tokenizer, text: str, marker_id: int) -> list[int]:
-        return tokenize_cogvlm_prompt(tokenizer, text, marker_id)
-
-    def check_mm_prompt(self, prompt) -> None:
-        """The RoPE shift is one per image layout: one image, right after BOS (or first)."""
-        if len(prompt.mm_items) > 1:
-            raise MediaError("CogVLM takes one image per prompt (the published model supports no more)")
-        if prompt.mm_items and prompt.mm_items[0].offset > 1:
-            raise MediaError("CogVLM's image must come first in the prompt (after BOS), as the published "
-                             "prompt layout has it")
+        self.init_processing(config)  # side, tokens_per_image, image token (processor.py)
 
     # -- images ------------------------------------------------------------------------------------
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.tokens_per_image
-
     def encode_images(self, items) -> list[torch.Tensor]:
         feats = self.vision(to_device_pixels(items, self._param.device, self._param.dtype))
         return list(feats.unbind(0))

@@ -25,14 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
 from splitserve.layers.vision import VisionTower
-from splitserve.models.checkpoint_tokens import checkpoint_special_id, checkpoint_token_id
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.kosmos2.processor import Kosmos2Processing
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
 from splitserve.multimodal.processor import to_device_pixels
-
-# Ids of the released kosmos-2-patch14-224 vocabulary, for a folder without a tokenizer to ask.
-_BOI_ID, _EOI_ID, _UNK_ID = 64003, 64004, 3
 
 
 class LatentQueryResampler(nn.Module):
@@ -57,7 +54,18 @@ class LatentQueryResampler(nn.Module):
         return a.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
-class Kosmos2ForConditionalGeneration(VisionLanguageModel):
+# Checkpoint name -> module: the text model's tensors to the language model; the ViT's post-norm is
+# the model's own (every token goes through it), the rest of the ViT goes to the tower (read whole).
+KOSMOS2_WEIGHTS = (
+    WeightRoute("text_model.", "text"),
+    WeightRoute("vision_model.model.post_layernorm.", "param", "post_layernorm."),
+    WeightRoute("vision_model.model.", "tower", "vision_tower"),
+    WeightRoute("post_layernorm.", "param", "post_layernorm."),
+    WeightRoute("image_to_text_projection.", "param", "image_to_text_projection."),
+)
+
+
+class Kosmos2ForConditionalGeneration(Kosmos2Processing, VisionLanguageModel):
     def __init__(self, config, quant_config=None):
         super().__init__()
         self.config = config
@@ -69,26 +77,9 @@ class Kosmos2ForConditionalGeneration(VisionLanguageModel):
         self.post_layernorm.requires_grad_(False)
         self.image_to_text_projection = LatentQueryResampler(vcfg.hidden_size, text.hidden_size,
                                                              text.num_attention_heads, config.latent_query_num)
-        self.num_queries = config.latent_query_num
-        self.image_token_id = checkpoint_token_id(config, "<image>", _BOI_ID)
-        self.end_image_id = checkpoint_token_id(config, "</image>", _EOI_ID)
-        self.first_slot_id = checkpoint_special_id(config, "unk_token", _UNK_ID) + 1
+        self.init_processing(config)  # queries, token ids (processor.py)
 
     # -- images ----------------------------------------------------------------------------------
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.num_queries + 2
-
-    def image_run_ids(self, image, placeholder_id: int) -> list[int]:
-        return [placeholder_id, *range(self.first_slot_id, self.first_slot_id + self.num_queries), self.end_image_id]
-
-    def format_prompt(self, text: str, num_images: int, tokenizer) -> tuple[str, bool]:
-        """Kosmos2Processor's text: BOS, then (for a prompt without `<image>` markers) one marker per
-        image before the stripped text; tokenized without special tokens (so no EOS)."""
-        text = text.strip()
-        if num_images and "<image>" not in text:
-            text = " ".join(["<image>"] * num_images) + " " + text
-        return (tokenizer.bos_token or "") + text, False
-
     def encode_images(self, items) -> list[torch.Tensor]:
         pixels = to_device_pixels(items, self._param.device, self._param.dtype)
         feats = F.normalize(self.post_layernorm(self.vision_tower(pixels)), dim=-1)
@@ -97,41 +88,6 @@ class Kosmos2ForConditionalGeneration(VisionLanguageModel):
                                                       device=latents.device)).to(latents.dtype)
         return [torch.cat([ends[:1], f, ends[1:]]) for f in latents]
 
-    # -- grounding -------------------------------------------------------------------------------
-    def postprocess_text(self, text: str) -> dict:
-        """transformers' Kosmos-2 post-processing of generated text: the text without location
-        tokens, and entities (phrase, (start, end) in that text, boxes as (x0, y0, x1, y1) in [0, 1])."""
-        from transformers.models.kosmos2.processing_kosmos2 import clean_text_and_extract_entities_with_bboxes
-        cleaned, entities = clean_text_and_extract_entities_with_bboxes(text.split("</image>")[-1])
-        return {"text": cleaned, "entities": [{"phrase": phrase, "span": list(span), "boxes": [list(b) for b in boxes]}
-                                              for phrase, span, boxes in entities]}
-
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        own = {n: p for n, p in self.named_parameters() if n.startswith(("post_layernorm.", "image_to_text_projection."))}
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("text_model."):
-                    yield name[len("text_model."):], tensor
-                elif name.startswith("vision_model.model.post_layernorm."):
-                    name = name[len("vision_model.model."):]
-                    _copy(own, name, as_tensor(tensor))
-                    loaded.add(name)
-                elif name.startswith("vision_model.model."):
-                    filled = self.vision_tower.load_weight(name[len("vision_model.model."):], as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_tower.{filled}")
-                elif name in own:
-                    _copy(own, name, as_tensor(tensor))
-                    loaded.add(name)
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
-
-
-def _copy(params: dict, name: str, tensor: torch.Tensor) -> None:
-    copy_checkpoint_tensor(params[name], tensor, name)
+        return load_routed_weights(self, weights, KOSMOS2_WEIGHTS)

@@ -13,7 +13,7 @@ file's path, size and mtime) holds:
     archive/                 the archive's members
     tokenizer files          an HF tokenizer made from the archive's (HF files as they are; a
                              sentencepiece model through transformers), with the conversation template
-                             of the config as its chat template (models/neva.py)
+                             of the config as its chat template (loading/neva_nemo.py)
     preprocessor_config.json the vision tower's image processor
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def iter_merged(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 # -- unpacking --------------------------------------------------------------------------------------
 def unpack(path: str, write_model_files) -> str:
     """The cache directory of a .nemo file, unpacked and converted on first use. `write_model_files(out,
-    archive, nemo_cfg, nemo_dir) -> dict` is the model's (models/neva.py): what it needs beside the
+    archive, nemo_cfg, nemo_dir) -> dict` is the model's (loading/neva_nemo.py): what it needs beside the
     weights, and the config entries that record it (passed in: this module stays below the model)."""
     import yaml
     path = os.path.abspath(path)

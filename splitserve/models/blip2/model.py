@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.layers.linear import Linear
-from splitserve.layers.quantization.base import as_tensor, copy_checkpoint_tensor
+from splitserve.layers.quantization.base import copy_checkpoint_tensor
 from splitserve.layers.vision import VisionEncoderLayer, activation, layer_norm
-from splitserve.models.llava import VisionLanguageModel, build_language_model
+from splitserve.models.blip2.processor import Blip2Processing
+from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
+from splitserve.models.weights import WeightRoute, load_routed_weights
 from splitserve.multimodal.processor import to_device_pixels
 
 
@@ -192,39 +194,20 @@ class Blip2VisionSide(nn.Module):
 
 
 VISION_SIDE_PREFIXES = ("vision_model.", "query_tokens", "qformer.", "language_projection.")
+# Checkpoint name -> module: the language model's tensors to it, the vision side's (replicated on
+# every rank: read whole) to Blip2VisionSide.load_weight under their full names.
+BLIP2_WEIGHTS = (WeightRoute("language_model.", "text"),
+                 *(WeightRoute(p, "tower", "vision_side", whole_name=True) for p in VISION_SIDE_PREFIXES))
 
 
-class Blip2Common:
-    """What both BLIP-2 language models share: the processor hooks (an image is num_query_tokens
-    placeholders; a prompt without image markers gets its images first, before BOS, as
-    Blip2Processor lays it out) and the weight routing (vision side here, the rest to the
-    language model)."""
+class Blip2Common(Blip2Processing):
+    """What both BLIP-2 language models share: the front's hooks (processor.py; the T5 variant gets
+    them here too) and the weight routing (vision side here, the rest to the language model)."""
 
-    num_query_tokens: int
     vision_side: Blip2VisionSide
 
-    def num_image_tokens(self, num_tiles: int, image_size: tuple[int, int]) -> int:
-        return self.num_query_tokens
-
-    def arrange_prompt(self, ids: list[int], num_images: int, marker_id: int) -> list[int]:
-        return [marker_id] * num_images + ids
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                if name.startswith("language_model."):
-                    yield name[len("language_model."):], tensor
-                elif name.startswith(VISION_SIDE_PREFIXES):  # replicated on every rank: read whole
-                    filled = self.vision_side.load_weight(name, as_tensor(tensor))
-                    if filled:
-                        loaded.add(f"vision_side.{filled}")
-                else:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(text_weights())}
-        return loaded
+        return load_routed_weights(self, weights, BLIP2_WEIGHTS)
 
 
 class Blip2ForConditionalGeneration(Blip2Common, VisionLanguageModel):
@@ -238,11 +221,9 @@ class Blip2ForConditionalGeneration(Blip2Common, VisionLanguageModel):
         self.language_model = build_language_model(config.text_config, quant_config, "language_model.model",
                                                    "language_model.lm_head")
         self.vision_side = Blip2VisionSide(config, config.text_config.hidden_size)
-        self.image_token_id = getattr(config, "image_token_index", None)
-        self.num_query_tokens = config.num_query_tokens
+        self.init_processing(config)  # image token, num_query_tokens (processor.py)
 
     # -- images ----------------------------------------------------------------------------------
     def encode_images(self, items) -> list[torch.Tensor]:
         feats = self.vision_side(to_device_pixels(items, self._param.device, self._param.dtype))
         return list(feats.unbind(0))
-

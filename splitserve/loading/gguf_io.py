@@ -17,8 +17,8 @@ from typing import Iterator
 
 import torch
 
-from splitserve.models.families import ARCHITECTURES
-from splitserve.models.text_config import TextConfig, text_config_from_dict
+from splitserve.loading.architectures import ARCHITECTURES
+from splitserve.loading.text_config import TextConfig, text_config_from_dict
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
 

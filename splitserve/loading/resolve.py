@@ -45,8 +45,8 @@ def resolve_model(model: str | None) -> ModelSource:
         return default_model_source()
     path = os.path.expanduser(model)
     if os.path.isfile(path):
-        if path.endswith(".nemo"):  # unpacked once into a cache directory (models/nemo_archive.py)
-            from splitserve.models.neva import unpack_nemo
+        if path.endswith(".nemo"):  # unpacked once into a cache directory (loading/nemo_archive.py, loading/neva_nemo.py)
+            from splitserve.loading.neva_nemo import unpack_nemo
             return ModelSource(os.path.basename(path), unpack_nemo(path))
         if not path.endswith(".gguf"):
             raise ValueError(f"model file {path} is not a .gguf or .nemo file; pass a GGUF file, a .nemo archive "
