@@ -309,8 +309,8 @@ class Scheduler:
 
     def fail_step(self, out: SchedulerOutput, status: RequestStatus, launched: bool) -> list[Request]:
         """Ends the requests of a step that failed (at launch, or when its results were read). A
-        message that never reached the worker (launched=False) has its removals sent again with the
-        next one."""
+        message that never reached the worker (launched=False) has its removals and LoRA slot loads
+        sent again with the next one."""
         failed = []
         for request, _ in self._steps.pop(out.step_id, ()):
             if not request.is_finished:
@@ -320,6 +320,8 @@ class Scheduler:
         if not launched:
             self._finished_ids[:0] = out.finished_req_ids
             self._preempted_ids[:0] = out.preempted_req_ids
+            if self.lora is not None:
+                self.lora.restore_loads(out.lora_loads)
         return failed
 
     def forget_steps(self) -> None:
