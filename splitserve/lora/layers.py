@@ -127,8 +127,8 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Host -> device without waiting: a copy from pageable memory would synchronise the stream (and
     stall the steps in flight) once per tensor. The manager's adapters are pinned on the loader
     thread already (a runner in the core's process gets those very tensors); anything else (a rank
-    process's decoded message, a rank's cut part) is pinned here (torch's host allocator keeps that copy until the
-    transfer is done)."""
+    process's decoded message, a rank's cut part) is pinned here (torch's host allocator keeps that
+    copy until the transfer is done)."""
     if dst.is_cuda and src.device.type == "cpu":
         dst.copy_(src if src.is_pinned() else src.pin_memory(), non_blocking=True)
     else:

@@ -33,7 +33,13 @@ class LoRARequest(msgspec.Struct, array_like=True, frozen=True):
 
 class LoRAModuleWeights(msgspec.Struct, array_like=True):
     """One projection's adapter weights: A [r, in] and B [out, r] (the scaling folded into B), whole,
-    as in the checkpoint: a tensor-parallel rank cuts its own part (lora/layers.py)."""
+    as in the checkpoint: a tensor-parallel rank cuts its own part (lora/layers.py).
+
+    Whole rather than cut for each rank by the core: the step message is encoded once and broadcast
+    to every rank (cut parts would need a message per rank), and the core need not know how each
+    rank cuts a layer (query heads, replicated KV heads, pipeline stages); each layer cuts its part
+    the way it cut its checkpoint weights. The cost, every rank receiving the whole adapter, comes
+    once per slot assignment."""
     layer: int        # the decoder layer's index in the whole model (a pipeline stage keeps its own)
     proj: str         # "q", "k", "v", "o", "gate", "up" or "down"
     a: torch.Tensor
