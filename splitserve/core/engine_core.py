@@ -164,7 +164,7 @@ class EngineCore:
         send it one that runs nothing, so an idle engine's worker holds no request."""
         if not self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
-            if sched.has_removals:
+            if sched.has_updates:
                 self._update_states(sched)
 
     def _update_states(self, sched) -> None:
@@ -234,7 +234,7 @@ class EngineCore:
                 assert launched.sample_requests is None or num_samples == len(launched.sample_requests), \
                     "scheduler and worker disagree on who samples"
                 self._inflight = launched
-        elif sched.has_removals:  # nothing to run, but the worker must let go of these requests
+        elif sched.has_updates:  # nothing to run, but the worker must let go of these requests
             self._update_states(sched)
         if sched.is_empty and inflight is None and self._inflight is None and self.structured.live:
             self.structured.wait_for_compiles(_COMPILE_WAIT_S)  # all that is left waits for a grammar

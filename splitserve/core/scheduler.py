@@ -312,8 +312,8 @@ class Scheduler:
 
     def fail_step(self, out: SchedulerOutput, status: RequestStatus, launched: bool) -> list[Request]:
         """Ends the requests of a step that failed (at launch, or when its results were read). A
-        message that never reached the worker (launched=False) has its removals sent again with the
-        next one."""
+        message that never reached the worker (launched=False) has its removals and LoRA slot loads
+        sent again with the next one."""
         failed = []
         for request, _ in self._steps.pop(out.step_id, ()):
             if not request.is_finished:
@@ -327,6 +327,8 @@ class Scheduler:
                 request = self.requests.get(rid)
                 if request is not None and not request.in_worker:
                     request.mm_announced = False
+            if self.lora is not None:
+                self.lora.restore_loads(out.lora_loads)
         return failed
 
     def forget_steps(self) -> None:

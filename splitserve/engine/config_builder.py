@@ -38,10 +38,11 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     import torch
 
     from splitserve.layers.quantization.config import resolve_quant_config
-    from splitserve.models.generation_config import sampling_defaults
-    from splitserve.models.loader import load_hf_config, read_generation_eos, resolve_dtype
+    from splitserve.loading.generation_config import sampling_defaults
+    from splitserve.loading.hf_config import read_generation_eos, resolve_dtype
+    from splitserve.loading.resolve import resolve_model
+    from splitserve.models.loader import load_hf_config
     from splitserve.models.registry import get_model_class
-    from splitserve.models.resolve import resolve_model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     source = resolve_model(args.model)

@@ -39,9 +39,11 @@ class InProcessExecutor:
                                   m.quant_config, m.max_model_len)
             logger.info("model built in %.1f s", time.perf_counter() - t0)
             self.lora, lora_worker = None, None  # LoRAManager (the core's) / LoRAWorker with --enable-lora
-            if config.lora is not None:
-                from splitserve.lora.manager import build_lora
-                self.lora, lora_worker = build_lora(config, model)
+            if config.lora is not None:  # the two sides meet only through the step message's slot loads
+                from splitserve.lora.manager import build_manager
+                from splitserve.lora.worker import build_worker
+                self.lora = build_manager(config, pin_memory=next(model.parameters()).is_cuda)
+                lora_worker = build_worker(config, model)
             self.runner = ModelRunner(config, model, lora_worker)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)

@@ -152,11 +152,12 @@ class MultiprocExecutor:
         if par.node_rank != 0:
             raise ValueError(f"node_rank {par.node_rank}: the engine runs on node 0; on the other nodes "
                              f"`splitserve serve --node-rank {par.node_rank} ...` starts their ranks only")
-        if config.lora is not None:
-            raise ValueError("--enable-lora with tensor or pipeline parallelism is not supported yet: "
-                             "serve adapters with --tensor-parallel-size 1 --pipeline-parallel-size 1")
         check_devices(par, config.device)
-        self.lora = None
+        self.lora = None  # LoRA: the core's manager here; each rank attaches its own slots (rank_worker.py)
+        if config.lora is not None:
+            from splitserve.lora.manager import build_manager
+            # Not pinned: the adapters leave this process encoded in the step message.
+            self.lora = build_manager(config, pin_memory=False)
         self.model = self.runner = None  # in the ranks' processes
         self.kv_free_window = _kv_free_window(config.model.hf_config)
         self.world = par.world_size

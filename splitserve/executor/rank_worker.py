@@ -49,8 +49,8 @@ class StageRunner(ModelRunner):
     """The model runner of one rank: the same step as the single-process runner, plus the pipeline
     transfer between stages and the sampled ids shared by the sampling rank."""
 
-    def __init__(self, config, model, sampler_rank: int):
-        super().__init__(config, model)
+    def __init__(self, config, model, sampler_rank: int, lora=None):
+        super().__init__(config, model, lora)
         self.tp, self.pp = tp_group(), pp_group()
         self.sampler_rank = sampler_rank
         self.samples = dist.get_rank() == sampler_rank if dist.is_initialized() else True
@@ -144,9 +144,13 @@ class RankWorker:
         m = config.model
         _, model = load_model(config.load.source, m.hf_config, m.dtype, device, config.load.random_weights, m.quant_config,
                               m.max_model_len)
+        lora = None
+        if config.lora is not None:  # this rank's slots, loaded from the step messages' slot loads
+            from splitserve.lora.worker import build_worker
+            lora = build_worker(config, model)
         # The last stage's tensor-parallel rank 0 samples.
         sampler_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
-        self.runner = StageRunner(config, model, sampler_rank)
+        self.runner = StageRunner(config, model, sampler_rank, lora)
         self.num_blocks = self.runner.determine_num_blocks()
 
     def start(self, num_blocks: int) -> None:

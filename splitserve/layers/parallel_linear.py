@@ -122,13 +122,18 @@ class RowParallelLinear(Linear):
         super().load(param_name, tensor, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.method.apply(self, x))
+        return self.reduce(self.partial_forward(x))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # a rank's gate_up is [gate_r | up_r]: silu(gate_r) * up_r is its part of the input features
-        return self._reduce(self.method.apply_silu_mul(self, gate_up))
+        return self.reduce(self.method.apply_silu_mul(self, gate_up))
 
-    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (before the sum over ranks): what a LoRA wrapper adds its
+        own share of the delta to before `reduce`, so that one all-reduce sums both."""
+        return self.method.apply(self, x)
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
         out = tp_all_reduce(out)
         return out if self.output_bias is None else out + self.output_bias
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.protocol.lora import LoRAModuleWeights
+
 # Projections that take LoRA, by PEFT's module names; q/k/v and gate/up are shards of merged layers.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_([AB])(?:\.[^.]+)?\.weight$")
@@ -54,6 +56,10 @@ class LoRAAdapter:
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+    def modules(self) -> list[LoRAModuleWeights]:
+        """Its weights as the step message's slot load carries them (the same tensors, not copies)."""
+        return [LoRAModuleWeights(layer, proj, a, b) for (layer, proj), (a, b) in self.weights.items()]
 
     def pin_memory(self) -> "LoRAAdapter":
         """Its weights in page-locked memory, so that slot loads copy them without a host copy or a

@@ -7,12 +7,14 @@ which the running requests hold.
 - GPU slots: --max-loras of them. Admitting a request pins its adapter's slot until the request
   leaves the running batch (finished or preempted), so the distinct adapters of a step never exceed
   the slots. An adapter not in a slot takes a free one or evicts the least recently used one that no
-  running request holds; the step message then carries the load (`LoRASlotLoad`, plain data), and the
-  worker copies the weights in before the step runs (stream-ordered after the steps still in flight,
-  which never use an unpinned slot).
+  running request holds; the step message then carries the load (`LoRASlotLoad`) with the adapter's
+  weights, and the worker copies them in before the step runs (stream-ordered after the steps still
+  in flight, which never use an unpinned slot).
 
-The worker (same process with TP=1) reads the loaded weights from `host_adapter`; one evicted from
-host memory meanwhile is read from disk again.
+The weights travel in the message, never by a call from the worker into this manager: the same
+message goes to a runner in this process and, encoded once, to every rank process (tensor and
+pipeline parallel), and the core is the only place that reads adapters from disk. A slot load is
+made when its request is admitted, with the adapter in host memory (`can_admit` asked just before).
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class LoRAManager:
 
     def host_adapter(self, lora_int_id: int, path: str) -> LoRAAdapter:
         adapter = self._host.get(lora_int_id)
-        if adapter is None:  # evicted from host memory since it was admitted: read it again
+        if adapter is None:  # not expected (can_admit loaded it just before); read it again rather than fail
             adapter = load_adapter(lora_int_id, "", path, self.targets, self.max_rank, self.dtype)
         return adapter
 
@@ -133,7 +135,7 @@ class LoRAManager:
                 self.pins.pop(old, None)
             self.slots[slot] = lid
             self._slot_of[lid] = slot
-            self._loads.append(LoRASlotLoad(slot, lid, lora.lora_path))
+            self._loads.append(LoRASlotLoad(slot, lid, lora.lora_path, self.host_adapter(lid, lora.lora_path).modules()))
             self.num_slot_loads += 1
         self._slot_lru.move_to_end(slot)
         if lid in self._host:
@@ -152,19 +154,19 @@ class LoRAManager:
         out, self._loads = self._loads, []
         return out
 
+    def restore_loads(self, loads: list[LoRASlotLoad]) -> None:
+        """The slot loads of a message that never reached the worker (its launch failed): sent again
+        with the next message, where their slot still holds that adapter; otherwise the worker would
+        run a later request of the adapter with whatever the slot held before."""
+        self._loads[:0] = [x for x in loads if self.slots[x.slot] == x.lora_int_id]
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build_lora(config: EngineConfig, model):
-    """With --enable-lora: the core's manager, and the worker's side attached to the built model
-    (before it is compiled). Returns (LoRAManager, LoRAWorker)."""
-    from splitserve.lora.layers import attach_lora
-    from splitserve.lora.worker import LoRAWorker
+def build_manager(config: EngineConfig, pin_memory: bool) -> LoRAManager:
+    """With --enable-lora: the core's manager. pin_memory: host copies in page-locked memory (a runner
+    in this process on a GPU copies them into the slots straight from the message)."""
     lora, m = config.lora, config.model
-    manager = LoRAManager(LoRATargets.from_hf_config(m.hf_config), lora.max_loras, lora.max_rank,
-                          lora.max_cpu_loras, m.dtype, pin_memory=next(model.parameters()).is_cuda)
-    # The layout covers a step's token budget and a decode graph's padded batch (at most max_num_seqs).
-    max_tokens = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-    lora_model = attach_lora(model, lora.max_loras, lora.max_rank, max_tokens)
-    return manager, LoRAWorker(lora_model, manager.host_adapter)
+    return LoRAManager(LoRATargets.from_hf_config(m.hf_config), lora.max_loras, lora.max_rank,
+                       lora.max_cpu_loras, m.dtype, pin_memory=pin_memory)

@@ -1,5 +1,9 @@
 """The worker's side of LoRA: slot loads from the step message, and each step's token -> slot layout.
 
+A slot load (`LoRASlotLoad`) carries the adapter's whole weights; each wrapper copies in its layer's
+part (a tensor-parallel rank its shard, a pipeline stage only its layers: lora/layers.py). Nothing
+is asked of the core: the same code serves a runner in the core's process and every rank process.
+
 The persistent batch keeps each request's adapter id per row (`InputBatch.lora_id`, 0: none). Per
 step the runner calls `prepare_step` with the step's rows and token counts: it maps ids to slots (the
 scheduler guarantees every scheduled adapter is in a slot), writes the step's layout (kernels/lora/lora_add.py)
@@ -12,15 +16,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from splitserve.config import EngineConfig
 from splitserve.kernels.lora.lora_add import LoRALayout, fill_layout
-from splitserve.lora.layers import LoRAModel
+from splitserve.lora.layers import LoRAModel, attach_lora
 
 
 class LoRAWorker:
-    def __init__(self, lora_model: LoRAModel, host_adapter):
-        """host_adapter(lora_int_id, path) -> LoRAAdapter: the engine core's loaded weights."""
+    def __init__(self, lora_model: LoRAModel):
         self.model = lora_model
-        self.host_adapter = host_adapter
         self.slot_of: dict[int, int] = {}
         self.active = False
         layout = lora_model.layout
@@ -38,7 +41,7 @@ class LoRAWorker:
             for lid, slot in list(self.slot_of.items()):
                 if slot == load.slot:
                     del self.slot_of[lid]
-            self.model.set_slot(load.slot, self.host_adapter(load.lora_int_id, load.lora_path))
+            self.model.set_slot(load.slot, {(m.layer, m.proj): (m.a, m.b) for m in load.modules})
             self.slot_of[load.lora_int_id] = load.slot
 
     def prepare_step(self, row_lora_ids: np.ndarray, counts: np.ndarray) -> bool:
@@ -72,3 +75,12 @@ class LoRAWorker:
             event = self._copied[i] or torch.cuda.Event()
             event.record()
             self._copied[i] = event
+
+
+def build_worker(config: EngineConfig, model) -> LoRAWorker:
+    """With --enable-lora: the worker's side, attached to the built model (this rank's part of it;
+    before it is compiled)."""
+    lora = config.lora
+    # The layout covers a step's token budget and a decode graph's padded batch (at most max_num_seqs).
+    max_tokens = max(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    return LoRAWorker(attach_lora(model, lora.max_loras, lora.max_rank, max_tokens))

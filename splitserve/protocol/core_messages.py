@@ -99,7 +99,8 @@ class CoreReady(msgspec.Struct, array_like=True, tag=True):
 FrontToCore = AddRequests | AbortRequests | Shutdown
 CoreToFront = EngineCoreOutputs | CoreReady
 
-# Image tensors travel as msgpack extensions: dtype name, shape, raw bytes.
+# Tensors (images' pixels, LoRA slot loads' weights) travel as msgpack extensions: dtype name, shape,
+# raw bytes.
 _TENSOR_EXT = 1
 
 

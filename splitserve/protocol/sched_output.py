@@ -92,7 +92,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     finished_req_ids: list[str] = []   # left for good since the last message
     preempted_req_ids: list[str] = []  # blocks freed since the last message; the worker keeps their state
     grammar: GrammarBitmask | None = None  # structured outputs: masks of the constrained rows that sample
-    lora_loads: list[LoRASlotLoad] = []  # LoRA adapters to put into GPU slots before this step runs
+    # LoRA adapters (with their weights) to put into GPU slots before this step runs: one entry per
+    # slot assignment, so in the few steps that admit a request whose adapter is not in a slot.
+    lora_loads: list[LoRASlotLoad] = []
     # Encoder-decoder models: requests whose encoder runs in this step (admitted, or resumed after a
     # preemption) -> their cross block ids; the worker writes the encoder K/V there before the decoder.
     encoder_runs: dict[str, list[int]] = {}
@@ -108,3 +110,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     @property
     def has_removals(self) -> bool:
         return bool(self.finished_req_ids or self.preempted_req_ids)
+
+    @property
+    def has_updates(self) -> bool:
+        """Something the worker must apply even when nothing runs: removals, or LoRA slot loads sent
+        again after a launch that failed."""
+        return self.has_removals or bool(self.lora_loads)

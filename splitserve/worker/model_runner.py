@@ -289,7 +289,10 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
     def update_states(self, sched: SchedulerOutput) -> None:
         """Applies a step message's deltas to the persistent batch without running a step (a message
-        that schedules nothing but carries removals)."""
+        that schedules nothing but carries removals, and perhaps slot loads sent again after a failed
+        launch)."""
+        if self.lora is not None:
+            self.lora.apply_loads(sched.lora_loads)
         self.input_batch.update(sched)
         if self.encdec is not None:
             self.encdec.update(sched)

@@ -46,7 +46,7 @@ def test_t5_two_ranks_match_one_and_transformers(tmp_path):
 
     from transformers import T5ForConditionalGeneration
 
-    from splitserve.models.resolve import load_tokenizer
+    from splitserve.loading.resolve import load_tokenizer
     from tests.t5_reference import hf_t5_greedy, make_tiny_t5
     tok = load_tokenizer(None)
     path = make_tiny_t5(tmp_path / "t5", tok, seed=2, feed_forward_proj="gated-gelu", tie_word_embeddings=False)

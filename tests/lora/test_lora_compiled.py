@@ -49,7 +49,7 @@ def test_compiled_halves_follow_each_steps_layout_without_recompiling():
     from torch._dynamo.testing import CompileCounterWithBackend
     gen = torch.Generator().manual_seed(0)
     model, lora = tiny_model(gen)
-    worker = LoRAWorker(lora, None)
+    worker = LoRAWorker(lora)
     worker.slot_of = {5: 0, 6: 1, 7: 2}
     layer = model.layers[0]
     counter = CompileCounterWithBackend("inductor")

@@ -14,7 +14,7 @@ S, MAX_TOKENS = 4, 48
 
 def make_worker():
     model = LoRAModel(LoRAState(), LoRALayout(MAX_TOKENS, S, "cpu"), [], S, 8)
-    worker = LoRAWorker(model, lambda lora_id, path: None)
+    worker = LoRAWorker(model)
     # adapters 7, 9, 11 in slots 2, 0, 3
     worker.apply_loads([LoRASlotLoad(2, 7, "a"), LoRASlotLoad(0, 9, "b"), LoRASlotLoad(3, 11, "c")])
     return worker, model

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.quant_reference import compare_greedy, quantize_hf_model
 
 NEW_TOKENS = 8
