@@ -16,23 +16,105 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, fn, tp: int, pp: int, port: int, out_dir: str, args: tuple) -> None:
+def _rank_main(rank: int, tp: int, pp: int, port: int, tasks, results) -> None:
+    """A rank of a RankPool: joins the world once, then runs each (fn, out_dir, args) it is sent
+    until it gets None, answering ("ok"|"error", rank, traceback) on `results`."""
+    import gc
+    import traceback
     from splitserve.parallel.parallel_state import destroy_model_parallel, init_model_parallel
     torch.set_num_threads(1)  # a 2-core machine runs up to four ranks
     init_model_parallel(tp_size=tp, pp_size=pp, rank=rank, backend="gloo",
                         init_method=f"tcp://127.0.0.1:{port}", timeout_s=300)
     try:
-        torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        while (task := tasks.get()) is not None:
+            fn, out_dir, args = task
+            try:
+                torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+                results.put(("ok", rank, ""))
+            except BaseException:
+                results.put(("error", rank, traceback.format_exc()))
+            gc.collect()
     finally:
         destroy_model_parallel()
 
 
+class RankPool:
+    """tp * pp spawned rank processes that stay up for several run_ranks calls: starting a rank
+    (importing torch and splitserve, joining the gloo world) costs seconds on a CPU, more than most
+    calls' own work. A call that fails on any rank closes the pool (the other ranks may wait in a
+    collective); the next call starts a new one."""
+
+    def __init__(self, tp: int, pp: int):
+        ctx = mp.get_context("spawn")
+        self.world = tp * pp
+        self.tasks = [ctx.SimpleQueue() for _ in range(self.world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_rank_main, args=(r, tp, pp, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args: tuple) -> list:
+        import queue
+        with tempfile.TemporaryDirectory() as out_dir:
+            for q in self.tasks:
+                q.put((fn, out_dir, args))
+            pending = set(range(self.world))
+            while pending:
+                try:
+                    status, rank, tb = self.results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead:
+                        self.close(kill=True)
+                        raise RuntimeError(f"rank(s) {dead} exited with "
+                                           f"{[self.procs[r].exitcode for r in dead]} during {fn.__name__}")
+                    continue
+                if status == "error":
+                    self.close(kill=True)
+                    raise RuntimeError(f"rank {rank} raised in {fn.__name__}:\n{tb}")
+                pending.discard(rank)
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive() and not kill:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.results.close()
+
+
+_POOLS: dict[tuple[int, int], RankPool] = {}
+
+
 def run_ranks(fn, tp: int, pp: int = 1, *args) -> list:
     """fn(rank, *args) on each of tp * pp ranks (a module-level function); their return values in
-    rank order. A rank that raises fails the call with its traceback."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(fn, tp, pp, free_port(), out_dir, args), nprocs=tp * pp, join=True)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(tp * pp)]
+    rank order. A rank that raises fails the call with its traceback. The ranks are a RankPool's,
+    kept until close_rank_pools() (tests/distributed/conftest.py calls it after each module)."""
+    pool = _POOLS.get((tp, pp))
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[tp, pp] = RankPool(tp, pp)
+    try:
+        return pool.run(fn, args)
+    finally:
+        if not pool.alive():
+            _POOLS.pop((tp, pp), None)
+
+
+def close_rank_pools() -> None:
+    """Ends every pool's ranks (killed: they hold nothing to save, and a clean exit takes seconds)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close(kill=True)
 
 
 # -- a model through the real runner ----------------------------------------------------------------

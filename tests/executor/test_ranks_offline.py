@@ -123,7 +123,7 @@ def test_seeded_sampling_with_two_ranks_equals_one(tiny_dir):
 ])
 def test_a_rank_that_dies_or_hangs_ends_the_engine(tiny_dir, monkeypatch, kind, expected):
     monkeypatch.setenv(RANK_ENV_VAR, f"rank=1,step=3,kind={kind}")
-    llm = LLM(tiny_dir, tensor_parallel_size=2, step_timeout_s=60 if kind == "exit" else 20, **SMALL)
+    llm = LLM(tiny_dir, tensor_parallel_size=2, step_timeout_s=60 if kind == "exit" else 10, **SMALL)
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # first steps: one-time costs
     with pytest.raises(EngineDeadError, match=expected) as info:
         llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -8,6 +8,7 @@ reports whether each was a cache hit. Runs in subprocesses: the kernel tests swi
 Triton to the interpreter, and compile-only mode patches Triton for good.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -55,11 +56,25 @@ def _run(tmp_path, phase: str, dtype: str, kv_dtype: str | None = None, variants
     return proc.stdout
 
 
+def _precompile_and_launch(tmp_path, kv_dtype: str | None = None) -> list:
+    """The children's precompile for bf16 (plain layers) into tmp_path's cache, then the real
+    launches against it: what they saw, (kernel name, cache hit) per compile."""
+    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", kv_dtype)
+    return eval(_run(tmp_path, "real", "bfloat16", kv_dtype).split("RESULT", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def bf16_plain(tmp_path_factory):
+    """(cache directory, real launches' list) of the plain bf16 precompile, which three tests start
+    from: each compile for sm_90 takes tens of seconds on a CPU."""
+    tmp_path = tmp_path_factory.mktemp("bf16-plain")
+    return tmp_path, _precompile_and_launch(tmp_path)
+
+
 # float8_e4m3fn: an FP8 KV cache, whose kernels (FP8 loads and stores) must also compile for sm_90.
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
-def test_precompiled_kernels_are_cache_hits_for_real_launches(tmp_path, kv_dtype):
-    assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", kv_dtype)
-    seen = eval(_run(tmp_path, "real", "bfloat16", kv_dtype).split("RESULT", 1)[1])
+def test_precompiled_kernels_are_cache_hits_for_real_launches(request, tmp_path, kv_dtype):
+    seen = request.getfixturevalue("bf16_plain")[1] if kv_dtype is None else _precompile_and_launch(tmp_path, kv_dtype)
     names = {name for name, _ in seen}
     # store, the ragged kernel's variants, decode with and without splits, and the split merge
     assert names == {"_store_kv_kernel", "_ragged_paged_attn_kernel", "_decode_split_kernel", "_decode_reduce_kernel"}
@@ -67,9 +82,10 @@ def test_precompiled_kernels_are_cache_hits_for_real_launches(tmp_path, kv_dtype
     assert all(hit for _, hit in seen), seen
 
 
-def test_other_specialisations_miss_the_cache(tmp_path):
-    # The control: the listener does report misses. fp16 launches against a bf16 precompile miss.
-    _run(tmp_path, "children", "bfloat16")
+def test_other_specialisations_miss_the_cache(tmp_path, bf16_plain):
+    # The control: the listener does report misses. fp16 launches against a bf16 precompile miss
+    # (a copy of the shared one: these launches add their own entries).
+    shutil.copytree(bf16_plain[0], tmp_path, dirs_exist_ok=True)
     seen = eval(_run(tmp_path, "real", "float16").split("RESULT", 1)[1])
     assert seen and not any(hit for _, hit in seen), seen
     # So do launches on an FP8 cache against a bf16 one (the cache's dtype is part of the key).
@@ -77,13 +93,13 @@ def test_other_specialisations_miss_the_cache(tmp_path):
     assert seen and not any(hit for name, hit in seen if name != "_decode_reduce_kernel"), seen
 
 
-def test_windowed_and_soft_capped_layers_are_precompiled(tmp_path):
+def test_windowed_and_soft_capped_layers_are_precompiled(tmp_path, bf16_plain):
     """A model with plain, windowed (7: no divisibility specialisation; 4096: divisible by 16) and
     soft-capped layers: each kind's launches are compiled by the children and hit the cache."""
     variants = "((None, None), (7, None), (4096, 50.0))"
     assert "exit codes [0, 0]" in _run(tmp_path, "children", "bfloat16", None, variants)
     seen = eval(_run(tmp_path, "real", "bfloat16", None, variants).split("RESULT", 1)[1])
-    plain = eval(_run(tmp_path / "plain", "real", "bfloat16").split("RESULT", 1)[1])
+    plain = bf16_plain[1]  # a plain model's launches (the same kernels whether they hit or miss)
     # more ragged / decode variants than a plain model, all of them hits
     assert sum(n == "_ragged_paged_attn_kernel" for n, _ in seen) > sum(n == "_ragged_paged_attn_kernel" for n, _ in plain)
     assert all(hit for _, hit in seen), seen
