@@ -60,7 +60,7 @@ if [ "${1:-}" = prepare ]; then
     mkdir -p .devcarry/llama3-8b
     cp benchmarks/configs/llama3-8b/config.json .devcarry/llama3-8b/
     py=${PY:-python3}; [ -x .venv/bin/python ] && py=${PY:-.venv/bin/python}
-    PYTHONPATH=$root "$py" -c "import sys; from splitserve.models.resolve import load_tokenizer; load_tokenizer(None).save_pretrained(sys.argv[1])" .devcarry/llama3-8b
+    PYTHONPATH=$root "$py" -c "import sys; from splitserve.loading.resolve import load_tokenizer; load_tokenizer(None).save_pretrained(sys.argv[1])" .devcarry/llama3-8b
   fi
   [ "$SELF" = "$root/.devcarry/ab_same_lease.sh" ] || cp "$SELF" .devcarry/ab_same_lease.sh
   # What `splitserve serve` imports that the image lacks (KINDS.md's list): the web stack, pyzmq,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitserve import LLM, LoRARequest, SamplingParams
-from splitserve.models.resolve import load_tokenizer
+from splitserve.loading.resolve import load_tokenizer
 from tests.hf_reference import hf_greedy, make_tiny_llama_dir
 from tests.lora_reference import make_peft_adapter, merged_reference
 
