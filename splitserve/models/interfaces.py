@@ -108,21 +108,42 @@ def _flag(model, name: str) -> bool:
     return bool(inspect.getattr_static(model, name, False))
 
 
+def protocol_members(protocol: type) -> frozenset[str]:
+    """The names a Protocol class asks for: its annotated attributes and its public methods, its
+    protocol bases' included."""
+    names: set[str] = set()
+    for base in protocol.__mro__:
+        if base is Protocol or not getattr(base, "_is_protocol", False):
+            continue
+        names |= set(vars(base).get("__annotations__", {}))
+        names |= {name for name, value in vars(base).items() if callable(value) and not name.startswith("_")}
+    return frozenset(names)
+
+
+def satisfies(obj, protocol: type) -> bool:
+    """isinstance(obj, protocol) for a runtime_checkable Protocol, the same on every Python. Python 3.12
+    looks the members up with inspect.getattr_static, which misses what nn.Module.__getattr__ finds (a
+    module's submodules, such as `layers`, live in its _modules) and a compiled layer's wrapped methods
+    (torch.compile's OptimizedModule forwards them by __getattr__): there every model would lose its
+    capabilities. hasattr sees them."""
+    return all(hasattr(obj, name) for name in protocol_members(protocol))
+
+
 def _compute(model) -> ModelCapabilities:
     multimodal = _flag(model, "is_multimodal")
     encoder_decoder = _flag(model, "is_encoder_decoder")
     own_processor = multimodal and inspect.getattr_static(model, "mm_processor_class", None) is not None
-    if encoder_decoder and not isinstance(model, EncoderDecoder):
+    if encoder_decoder and not satisfies(model, EncoderDecoder):
         raise TypeError(f"{type(model).__name__} says is_encoder_decoder but lacks encode/store_cross_kv")
-    if multimodal and not own_processor and not isinstance(model, SupportsImagePrompts):
+    if multimodal and not own_processor and not satisfies(model, SupportsImagePrompts):
         raise TypeError(f"{type(model).__name__} says is_multimodal but lacks the SupportsImagePrompts members "
                         f"(models/interfaces.py)")
-    if multimodal and not encoder_decoder and not isinstance(model, SupportsImageInput):
+    if multimodal and not encoder_decoder and not satisfies(model, SupportsImageInput):
         raise TypeError(f"{type(model).__name__} says is_multimodal but lacks the SupportsImageInput methods "
                         f"(models/interfaces.py)")
-    layers = model.layers if isinstance(model, SupportsLoRA) else None
-    piecewise = (isinstance(model, SupportsPiecewise) and bool(layers)
-                 and all(isinstance(layer, _SplitLayer) for layer in layers))
+    layers = model.layers if satisfies(model, SupportsLoRA) else None
+    piecewise = (satisfies(model, SupportsPiecewise) and bool(layers)
+                 and all(satisfies(layer, _SplitLayer) for layer in layers))
     stages = "intermediate" in inspect.signature(type(model).forward).parameters
     reader = inspect.getattr_static(model, "iter_weights", None)
     return ModelCapabilities(multimodal=multimodal, encoder_decoder=encoder_decoder,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from splitserve.models.interfaces import (EncoderDecoder, ModelCapabilities, SupportsImageInput, SupportsImagePrompts,
-                                          SupportsPiecewise, TextModel, capabilities_of)
+                                          SupportsPiecewise, TextModel, _compute, capabilities_of, satisfies)
 from splitserve.models.registry import get_model_class, get_processor_class
 from tests.multimodal_reference import vision_config
 
@@ -36,13 +36,36 @@ def _llava(anyres: bool = False):
 def test_vlm_capabilities():
     model = _llava()
     caps = capabilities_of(model)
-    assert all(isinstance(model, p) for p in (TextModel, SupportsImagePrompts, SupportsImageInput, SupportsPiecewise))
-    assert not isinstance(model, EncoderDecoder)
+    assert all(satisfies(model, p) for p in (TextModel, SupportsImagePrompts, SupportsImageInput, SupportsPiecewise))
+    assert not satisfies(model, EncoderDecoder)
     assert caps == ModelCapabilities(multimodal=True, encoder_decoder=False, decoder_images=True, own_processor=False,
                                      piecewise=True, lora=True, pipeline_stages=True, weight_reader=None)
     assert capabilities_of(model) is caps  # computed once per model
     # the optional hooks are explicit: None where the model has none
     assert model.preprocess_image is None and model.prepare_step_tokens is None and model.tokenize_prompt is None
+
+
+def test_capabilities_see_submodules_and_compiled_layers():
+    """A decoder's `layers` is a submodule and a compiled layer forwards its methods, both found through
+    __getattr__, which inspect.getattr_static (Python 3.12's isinstance on a Protocol) does not call:
+    with isinstance the text decoder lost piecewise graphs on the GPU image's Python 3.12."""
+    import inspect
+    config = _llama_config()
+    _, cls = get_model_class(["LlamaForCausalLM"], config)
+    with torch.device("meta"):
+        model = cls(config)
+    model.layers[0] = torch.compile(model.layers[0])  # as worker/model_runner.compile_decoder_layers does
+    assert inspect.getattr_static(model, "layers", None) is None  # the lookup that missed them
+    assert inspect.getattr_static(model.layers[0], "attn_inputs", None) is None
+    caps = _compute(model)
+    assert caps.piecewise and caps.lora and not caps.multimodal
+
+
+def _llama_config():
+    from transformers import LlamaConfig
+    config = LlamaConfig(**{k: v for k, v in _TEXT.items() if k != "model_type"})
+    config.architectures = ["LlamaForCausalLM"]
+    return config
 
 
 def test_text_only_module_has_no_capabilities():
