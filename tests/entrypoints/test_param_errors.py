@@ -52,6 +52,7 @@ def _serving(core: FakeCore) -> tuple[OpenAIServing, FakeFront, AsyncLLMEngine]:
     engine = AsyncLLMEngine(SimpleNamespace(core=core, front=front), max_queued_requests=4)
     serving = OpenAIServing.__new__(OpenAIServing)  # only what _add reads
     serving.engine, serving.max_model_len, serving.log_requests, serving.on_lora_request = engine, 10_000, False, None
+    serving.metrics = None
     return serving, front, engine
 
 
@@ -79,12 +80,14 @@ def test_front_errors_name_their_field():
     async def main():
         serving, front, engine = _serving(FakeCore())
         got = []
-        for i, (params, prompt, priority, kv, _, _) in enumerate(cases):
-            front.kv_capacity_tokens = kv
-            with pytest.raises(APIError) as info:
-                serving._add(f"r{i}", prompt, params, "prompt", priority=priority)
-            got.append((info.value.status, info.value.message, info.value.param))
-        await engine.shutdown()
+        try:  # shut down even when a case fails: a live engine left to the collector can block it
+            for i, (params, prompt, priority, kv, _, _) in enumerate(cases):
+                front.kv_capacity_tokens = kv
+                with pytest.raises(APIError) as info:
+                    serving._add(f"r{i}", prompt, params, "prompt", priority=priority)
+                got.append((info.value.status, info.value.message, info.value.param))
+        finally:
+            await engine.shutdown()
         return got
 
     assert asyncio.run(main()) == [(400, message, param) for *_, message, param in cases]
@@ -98,9 +101,11 @@ def test_param_is_taken_from_the_error_not_its_text():
         def refuse(*args, **kwargs):
             raise SamplingParamsError("top_p", "the nucleus is too small for this model")
         front.new_request = refuse
-        with pytest.raises(APIError) as info:
-            serving._add("r", [1, 2], SamplingParams(), "messages")
-        await engine.shutdown()
+        try:
+            with pytest.raises(APIError) as info:
+                serving._add("r", [1, 2], SamplingParams(), "messages")
+        finally:
+            await engine.shutdown()
         return info.value
 
     err = asyncio.run(main())
