@@ -4,13 +4,9 @@ argument fails here, and the result is all that crosses into the engine core and
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
                                ParallelConfig, SchedulerConfig)
-
-if TYPE_CHECKING:
-    from splitserve.engine.args import EngineArgs
 
 
 def check_device(device: str) -> None:
@@ -22,7 +18,7 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device must be cuda, cuda:N or cpu, got {device!r}")
 
 
-def lora_config(args: EngineArgs) -> LoRAConfig | None:
+def lora_config(args) -> LoRAConfig | None:
     """The LoRA section, parsed once (the registry and the manager read this, not the arguments)."""
     if not args.enable_lora:
         if args.lora_modules:
@@ -34,7 +30,8 @@ def lora_config(args: EngineArgs) -> LoRAConfig | None:
                       args.allow_runtime_lora or env, args.lora_allowed_dir)
 
 
-def build_engine_config(args: EngineArgs) -> EngineConfig:
+def build_engine_config(args) -> EngineConfig:
+    """`args`: an engine.args.EngineArgs (called by its create_engine_config)."""
     import torch
 
     from splitserve.layers.quantization.config import resolve_quant_config
