@@ -5,8 +5,10 @@ it here, before any test module (the kernel tests under tests/attention/, but al
 the kernels' modules) imports triton, so the outcome does not depend on which test runs first.
 
 The slow tier is marked here by path rather than in each file: everything under tests/models/ (loads
-models, compares with transformers) and tests/e2e/ (starts real servers) gets `slow`, so
-`pytest -m "not slow"` runs the rest (the fast tier) and `pytest tests` still runs everything."""
+models, compares with transformers) and tests/e2e/ (starts real servers) gets `slow`, and so do the
+files below that start processes (rank workers, grammar processes, kernel-compile children) or run
+Inductor; `pytest -m "not slow"` runs the rest (the fast tier) and `pytest tests` still runs everything.
+(A few other files mark themselves slow with `pytestmark`.)"""
 import os
 from pathlib import Path
 
@@ -18,10 +20,20 @@ if not torch.cuda.is_available():
 
 TESTS = Path(__file__).resolve().parent
 SLOW_DIRS = ("models", "e2e")
+SLOW_FILES = (
+    "executor/test_tensor_parallel.py", "executor/test_tp_families.py", "executor/test_tp_lora.py",
+    "executor/test_tp_one_row.py",                      # rank processes over gloo
+    "structured_output/test_grammar_process.py",        # grammar processes, killed and restarted
+    "startup/test_kernel_precompile.py", "startup/test_bytecode.py",  # compile in child processes
+    "worker/test_warm_up.py", "worker/test_compiled_quant_layer.py", "worker/test_compiled_families.py",  # Inductor
+)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.path)).resolve()
-        if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in SLOW_DIRS:
+        if not path.is_relative_to(TESTS):
+            continue
+        rel = path.relative_to(TESTS)
+        if rel.parts[0] in SLOW_DIRS or rel.as_posix() in SLOW_FILES:
             item.add_marker(pytest.mark.slow)

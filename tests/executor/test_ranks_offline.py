@@ -42,10 +42,25 @@ def hf_reference(tiny_dir):
     return [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
+_EARLIER: set[int] = set()  # descendants that were there before this module ran (see the fixture below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _earlier_processes():
+    """Processes other modules left running on purpose (e.g. tests/e2e's session-scoped servers) are not
+    this module's engines: counted once, before its first test, and left out of every count."""
+    _EARLIER.update(p.pid for p in psutil.Process(os.getpid()).children(recursive=True))
+    yield
+    _EARLIER.clear()
+
+
 def engine_processes() -> list[psutil.Process]:
-    """This test process's descendants, less multiprocessing's resource tracker (it lives as long as we do)."""
+    """This test process's descendants started by this module, less multiprocessing's resource tracker
+    (it lives as long as we do)."""
     out = []
     for child in psutil.Process(os.getpid()).children(recursive=True):
+        if child.pid in _EARLIER:
+            continue
         try:
             if "resource_tracker" not in " ".join(child.cmdline()):
                 out.append(child)
