@@ -98,7 +98,7 @@ _POOLS: dict[tuple[int, int], RankPool] = {}
 def run_ranks(fn, tp: int, pp: int = 1, *args) -> list:
     """fn(rank, *args) on each of tp * pp ranks (a module-level function); their return values in
     rank order. A rank that raises fails the call with its traceback. The ranks are a RankPool's,
-    kept until close_rank_pools() (tests/distributed/conftest.py calls it after each module)."""
+    kept until close_rank_pools() (tests/executor/conftest.py calls it after each module)."""
     pool = _POOLS.get((tp, pp))
     if pool is None or not pool.alive():
         if pool is not None:

@@ -64,7 +64,7 @@ class CompletionOutput:
     delta_logprobs: list[dict[int, Logprob]] | None = None
     # A model's post-processing of the finished text (Kosmos-2 grounding: {"text", "entities"}).
     grounding: dict | None = None
-    # Nougat: transformers' markdown post-processing of the finished text (models/nougat.py).
+    # Nougat: transformers' markdown post-processing of the finished text (models/nougat/model.py).
     markdown: str | None = None
 
     @property

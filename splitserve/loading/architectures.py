@@ -9,5 +9,5 @@ ARCHITECTURES = {
     "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "kosmos_2_text_model": "Kosmos2TextForCausalLM",  # Kosmos-2's language model, alone
-    "mbart": "MBartForCausalLM",  # mBART's decoder alone (with cross-attention: Nougat's, models/nougat.py)
+    "mbart": "MBartForCausalLM",  # mBART's decoder alone (with cross-attention: Nougat's, models/nougat/model.py)
 }

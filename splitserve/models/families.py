@@ -112,7 +112,7 @@ FAMILIES: dict[str, Family] = {
                 "ffn.fc2": ("mlp.down_proj", None), "ffn.ffn_layernorm": ("mlp.ffn_layernorm", None),
                 "self_attn_layer_norm": ("input_layernorm", None),
                 "final_layer_norm": ("post_attention_layernorm", None)})),
-    # mBART's decoder (MBartForCausalLM; Nougat's decoder, with cross-attention: models/nougat.py):
+    # mBART's decoder (MBartForCausalLM; Nougat's decoder, with cross-attention: models/nougat/model.py):
     # OPT-like pre-norm layers, learned positions at offset 2, sqrt(d_model) embedding scale and a
     # LayerNorm on the embeddings. Cross-attention tensors go to DecoderCrossAttention.
     "mbart": Family(norm="layer", eps_field=None, mlp="plain", act_field="activation_function",

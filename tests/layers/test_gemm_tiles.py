@@ -3,7 +3,7 @@ before the seven per-variant config types became one TileConfig.
 
 EXPECTED holds the OLD functions' choices, computed by running them at commit 42141db (main before
 the merge: default_fp8_config, default_fp8_gemv_config, default_int8_config, default_wna16_config,
-default_gemv_config, default_tiled_config, default_wgmma_config in layers/quant_kernels/) over the
+default_gemv_config, default_tiled_config, default_wgmma_config in layers/quant_kernels/ at 42141db) over the
 shapes below and pasted here as literals. Each entry is "<the function's arguments>: <tile>" with
 the tile written by tile_str. Nothing here launches a kernel.
 """
