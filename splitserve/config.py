@@ -125,6 +125,9 @@ class CompileConfig:
         return sizes or sorted(self.cudagraph_batch_sizes)[:1]
 
 
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor x pipeline parallel ranks, and the hosts they span (torchrun's names)."""
@@ -136,6 +139,19 @@ class ParallelConfig:
     master_port: int | None = None  # None: a free port (one node only)
     distributed_timeout_s: float = 600.0  # bound on the ranks' start-up and on any collective
     step_timeout_s: float = 300.0  # a step no rank answered within this counts as a hung rank
+    # Engine cores behind the one front (engine/replicas.py), each with its own tp x pp ranks.
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"  # one of DATA_PARALLEL_BACKENDS: where the replicas' cores run
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+                 f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        _require(self.data_parallel_backend in DATA_PARALLEL_BACKENDS,
+                 f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, "
+                 f"got {self.data_parallel_backend!r}")
+        _require(self.data_parallel_size == 1 or self.nnodes == 1,
+                 "--data-parallel-size > 1 runs on one host (or on Ray with --data-parallel-backend ray); "
+                 "it cannot be combined with --nnodes")
 
     @property
     def world_size(self) -> int:

@@ -63,34 +63,40 @@ def _token_buckets(max_model_len: int) -> list[int]:
 
 
 class _EngineStateCollector(Collector):
-    """Gauges and engine-owned counters, produced fresh on each scrape."""
+    """Gauges and engine-owned counters, produced fresh on each scrape. With several engine cores
+    (data-parallel replicas) each sample carries an `engine` label: one per replica ("0", "1", ...)
+    and "all" for the server's totals."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]):
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats],
+                 replica_stats: Callable[[], list[SchedulerStats]] | None = None):
         self.model_name = model_name
         self.stats = stats
+        self.replica_stats = replica_stats
 
     def collect(self):
-        s = self.stats()
-        labels = ["model_name"]
-        value = [self.model_name]
+        per_replica = self.replica_stats() if self.replica_stats is not None else []
+        if len(per_replica) > 1:
+            labels = ["model_name", "engine"]
+            series = [([self.model_name, str(i)], s) for i, s in enumerate(per_replica)]
+            series.append(([self.model_name, "all"], self.stats()))
+        else:
+            labels = ["model_name"]
+            series = [([self.model_name], self.stats())]
 
-        def gauge(name, doc, v):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(value, v)
-            return g
+        def family(kind, name, doc, field):
+            f = kind(name, doc, labels=labels)
+            for value, s in series:
+                f.add_metric(value, getattr(s, field))
+            return f
 
-        def counter(name, doc, v):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(value, v)
-            return c
-
-        yield gauge("splitserve:num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield gauge("splitserve:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        yield gauge("splitserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_usage)
-        yield counter("splitserve:prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_queries)
-        yield counter("splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hits)
-        yield counter("splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
-                      s.num_preemptions)
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield family(g, "splitserve:num_requests_running", "Sequences in the running batch.", "num_running")
+        yield family(g, "splitserve:num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting")
+        yield family(g, "splitserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_usage")
+        yield family(c, "splitserve:prefix_cache_queries", "Tokens looked up in the prefix cache.", "prefix_queries")
+        yield family(c, "splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", "prefix_hits")
+        yield family(c, "splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
+                     "num_preemptions")
 
 
 class _Renamed(Collector):
@@ -115,7 +121,8 @@ class _Renamed(Collector):
 
 class ServerMetrics:
     def __init__(self, model_name: str, stats: Callable[[], SchedulerStats], max_model_len: int = 2048,
-                 cache_info: dict[str, str] | None = None, compat: str | None = None):
+                 cache_info: dict[str, str] | None = None, compat: str | None = None,
+                 replica_stats: Callable[[], list[SchedulerStats]] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, ln = self.registry, ["model_name"]
@@ -154,7 +161,7 @@ class ServerMetrics:
                                   buckets=_N_BUCKETS, registry=r)
         self.iteration_tokens = Histogram("splitserve:iteration_tokens_total", "Tokens run by each engine step.",
                                           ln, buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
-        self.registry.register(_EngineStateCollector(model_name, stats))
+        self.registry.register(_EngineStateCollector(model_name, stats, replica_stats))
         if cache_info is not None:
             info = Gauge("splitserve:cache_config_info", "The KV cache's configuration (the labels; the value is 1).",
                          sorted(cache_info), registry=r)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
-from splitserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES, STRUCTURED_OUTPUT_FILLS,
+from splitserve.config import (DATA_PARALLEL_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES, STRUCTURED_OUTPUT_FILLS,
                                EngineConfig)
 
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
@@ -119,6 +119,13 @@ class EngineArgs(CliOptions):
     step_timeout_s: float = option(
         300.0, help="a model step that no rank has answered after this many seconds counts as a hung "
                     "rank: the engine fails its requests and stops every process")
+
+    data_parallel_size: int = option(
+        1, aliases=("-dp",), help="engine cores (replicas, each with tp*pp devices) behind the one API "
+                                   "server, which routes each request by prefix affinity and load")
+    data_parallel_backend: str = option(
+        "mp", choices=DATA_PARALLEL_BACKENDS,
+        help="where the replicas' engine cores run: local processes (mp) or Ray actors (ray)")
 
     @property
     def world_size(self) -> int:

@@ -2,20 +2,20 @@
 
 `AsyncLLMEngine.launch(args)` starts the engine core in a process of its own (what `splitserve
 serve` does): the scheduler and the model never share an interpreter with HTTP, tokenization and
-detokenization. `AsyncLLMEngine(llm_engine)` drives an engine built in this process with the same
-loop on a thread (tests, embedding). Either way the front talks to the core through the messages of
-messages.py over ZeroMQ, one per step each way (core_loop.py), and every request has its own asyncio
-queue of outputs. A receiver thread waits on the core's socket and hands each step's message to the
-event loop, which runs the output processor (detokenization, stop strings) and feeds the streams.
+detokenization. With `--data-parallel-size N` it starts N cores (replicas.py) and routes each request
+to one of them (replica_router.py); a replica that dies fails only its own requests and is restarted.
+`AsyncLLMEngine(llm_engine)` drives an engine built in this process with the same loop on a thread
+(tests, embedding). Either way the front talks to a core through the messages of
+protocol/core_messages.py over ZeroMQ, one per step each way (core_loop.py), and every request has
+its own asyncio queue of outputs. A receiver thread per core waits on its socket and hands each step's
+message to the event loop, which runs the output processor (detokenization, stop strings) and feeds
+the streams.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import multiprocessing
-import os
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -24,15 +24,14 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 import zmq
 
-from splitserve.protocol.core_messages import (AbortRequests, AddRequests, Codec, CoreToFront, CoreReady, EngineCoreOutputs,
-                                        FrontToCore, SchedulerStats, Shutdown)
+from splitserve.engine.replica_router import ReplicaRouter
+from splitserve.engine.replicas import CorePlacement, Replica, replica_devices, total_stats
+from splitserve.protocol.core_messages import (AbortRequests, AddRequests, Codec, EngineCoreOutputs, FrontToCore,
+                                               SchedulerStats, Shutdown)
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
-
-# How often the receiver thread looks at the core process when no message comes.
-_WATCH_INTERVAL_MS = 200
 
 
 class EngineOverloadedError(RuntimeError):
@@ -56,6 +55,7 @@ class RequestStream:
         self.finished = False            # the consumer has seen the final output (or an error)
         self.engine_done = False         # the engine has sent its final output
         self.metrics_state: dict[str, Any] = {}
+        self.num_seqs = 1                # its sequences (n)
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
@@ -76,88 +76,53 @@ class RequestStream:
         return item
 
 
-class _CorePlacement:
-    """Where the core runs and how the front reaches it: two bound sockets, and a process or a thread."""
-
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="splitserve-")
-        self.input_addr = f"ipc://{self.dir}/input"
-        self.output_addr = f"ipc://{self.dir}/output"
-        self.ctx = zmq.Context()
-        self.input = self.ctx.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.LINGER, 0)
-        # Never block on a busy core (no high-water mark); a send waits only while the core has not
-        # connected yet (a core thread just started), and never longer than this.
-        self.input.setsockopt(zmq.SNDHWM, 0)
-        self.input.setsockopt(zmq.SNDTIMEO, 5000)
-        self.input.bind(self.input_addr)
-        self.output = self.ctx.socket(zmq.PULL)
-        self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(self.output_addr)
-        self.process: multiprocessing.Process | None = None
-        self.thread: threading.Thread | None = None
-
-    def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.is_alive()
-        return self.thread is not None and self.thread.is_alive()
-
-    def exit_description(self) -> str:
-        if self.process is not None:
-            return f"the engine core process died (exit code {self.process.exitcode})"
-        return "the engine core thread stopped"
-
-    def join(self, timeout: float) -> None:
-        if self.thread is not None:
-            self.thread.join(timeout)
-        if self.process is not None:
-            self.process.join(timeout)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)
-
-    def close(self) -> None:
-        self.ctx.destroy(linger=0)  # closes both sockets (a core thread that never ended cannot block this)
-        shutil.rmtree(self.dir, ignore_errors=True)
+class ReplicaLostError(EngineShutdownError):
+    """The engine core (replica) running this request died; the server restarts it and keeps serving
+    on the others (HTTP 503: the client may retry)."""
 
 
 class AsyncLLMEngine:
     def __init__(self, engine=None, max_queued_requests: int | None = None,
                  on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None, *,
-                 front=None, placement: _CorePlacement | None = None):
+                 front=None, replicas: list[Replica] | None = None):
         """`engine`: an LLMEngine whose core this object drives on a thread. (`launch` builds the
-        other placement, the core in a process of its own, and passes `front` and `placement`.)"""
+        other placement, the cores in processes of their own, and passes `front` and `replicas`.)"""
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
-        if placement is None:
-            placement = _CorePlacement()
+        if replicas is None:
+            placement = CorePlacement()
             placement.thread = threading.Thread(target=self._run_core_thread, args=(engine.core, placement),
                                                 name="splitserve-engine-core", daemon=True)
             front = engine.front
+            replicas = [Replica(0, placement)]
         self.engine = engine if engine is not None else front  # tokenizer, config, model name, validation
         self.front = front
         self.max_queued_requests = max_queued_requests
         # Called on the loop thread for every output with the engine-side timestamp (for metrics).
         self.on_output = on_output
         # Called on the loop thread once if the core dies without saying why (the server exits).
+        # With several replicas a dead one is restarted instead, and this is not called.
         self.on_core_lost: Callable[[], None] | None = None
         # Called on the loop thread with the token count of each engine step (for metrics).
         self.on_step_tokens: Callable[[list[int]], None] | None = None
-        self._placement = placement
+        self.replicas = replicas
+        self._router = None if len(replicas) == 1 else ReplicaRouter(
+            len(replicas), front.config.cache.block_size, front.config.scheduler.max_num_seqs)
         self._to_core = Codec(FrontToCore)
         self._send_lock = threading.Lock()
         self._stopping = False
         self._closed = False
         self._dead: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}   # loop thread only
+        self._replica_of: dict[str, Replica] = {}      # request id -> the replica running it
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._receiver: threading.Thread | None = None
-        self._num_sent = 0  # sequences sent to the core (it reports how many it has taken in)
-        self.stats = SchedulerStats()
+        self._started = False
         self._max_running = front.config.scheduler.max_num_seqs
+        self._ready_timeout: float | None = None
+        self._config = front.config      # what a replica that died is restarted with
 
     @staticmethod
-    def _run_core_thread(core, placement: _CorePlacement) -> None:
+    def _run_core_thread(core, placement: CorePlacement) -> None:
         from splitserve.engine.core_loop import connect_sockets, run_core_loop
         inp, out = connect_sockets(placement.ctx, placement.input_addr, placement.output_addr)
         try:
@@ -171,71 +136,73 @@ class AsyncLLMEngine:
     @classmethod
     def launch(cls, args, max_queued_requests: int | None = None, stream_interval: int = 1,
                ready_timeout: float | None = None) -> "AsyncLLMEngine":
-        """Starts the engine core in a process of its own and builds the front here meanwhile."""
-        from splitserve.engine.core_loop import core_process_main
+        """Starts the engine core(s) in processes of their own (one per data-parallel replica) and
+        builds the front here meanwhile."""
         from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
         config = args.create_engine_config()  # bad arguments fail here, before any process starts
-        placement = _CorePlacement()
+        devices = replica_devices(config)     # so do GPUs too few for the replicas
+        replicas: list[Replica] = []
         try:
-            placement.process = multiprocessing.get_context("spawn").Process(
-                target=core_process_main, name="splitserve-engine-core",
-                args=(config, placement.input_addr, placement.output_addr, os.getpid(), logging.getLogger().level))
-            placement.process.start()
+            for i, dev in enumerate(devices):
+                placement = CorePlacement()
+                replicas.append(Replica(i, placement, dev))
+                placement.start_process(config, dev)
             tokenizer = load_front_tokenizer(config)
             mm_processor = build_front_mm_processor(config, tokenizer)
-            ready = cls._wait_ready(placement, ready_timeout)
-            front = EngineFront(config, tokenizer, ready.num_blocks, ready.block_size, mm_processor, stream_interval)
+            for r in replicas:
+                ready = r.placement.wait_ready(ready_timeout)
+                r.num_blocks = ready.num_blocks
+            front = EngineFront(config, tokenizer, min(r.num_blocks for r in replicas), ready.block_size,
+                                mm_processor, stream_interval)
         except BaseException:
-            if placement.process is not None and placement.process.is_alive():
-                placement.process.kill()
-                placement.process.join(5)
-            placement.close()
+            for r in replicas:
+                r.placement.kill()
+                r.placement.close()
             raise
-        logger.info("engine core process %d ready", placement.process.pid)
-        return cls(max_queued_requests=max_queued_requests, front=front, placement=placement)
-
-    @staticmethod
-    def _wait_ready(placement: _CorePlacement, timeout: float | None) -> CoreReady:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        decoder = Codec(CoreToFront)
-        while deadline is None or time.monotonic() < deadline:
-            if placement.output.poll(_WATCH_INTERVAL_MS):
-                msg = decoder.decode(placement.output.recv())
-                if not isinstance(msg, CoreReady):
-                    raise RuntimeError(f"the engine core sent {type(msg).__name__} before it was ready")
-                if msg.error:
-                    raise RuntimeError(f"the engine core failed to start: {msg.error}")
-                return msg
-            if not placement.alive():
-                raise RuntimeError(f"{placement.exit_description()} while starting")
-        raise RuntimeError(f"the engine core was not ready after {timeout} s")
+        logger.info("engine core process(es) %s ready", ", ".join(str(r.placement.process.pid) for r in replicas))
+        engine = cls(max_queued_requests=max_queued_requests, front=front, replicas=replicas)
+        engine._ready_timeout = ready_timeout
+        return engine
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        """Binds to the running event loop and starts the core thread (if any) and the receiver
+        """Binds to the running event loop and starts the core thread (if any) and the receivers
         (idempotent)."""
-        if self._receiver is not None:
+        if self._started:
             return
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        if self._placement.thread is not None:
-            self._placement.thread.start()
-        self._receiver = threading.Thread(target=self._receive, name="splitserve-core-receiver", daemon=True)
-        self._receiver.start()
+        for r in self.replicas:
+            if r.placement.thread is not None:
+                r.placement.thread.start()
+            self._start_receiver(r)
+
+    def _start_receiver(self, replica: Replica) -> None:
+        loop = self._loop
+
+        def on_message(r: Replica, msg: EngineCoreOutputs) -> None:
+            loop.call_soon_threadsafe(self._on_core_outputs, r, msg)
+
+        def on_gone(r: Replica, placement: CorePlacement, why: str) -> None:
+            loop.call_soon_threadsafe(self._on_core_gone, r, placement, why)
+
+        replica.start_receiver(on_message, on_gone, lambda: self._stopping)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts whatever is left, stops the core and waits for it (off the loop)."""
+        """Aborts whatever is left, stops the cores and waits for them (off the loop)."""
         if self._closed:
             return
         self._closed = True
         self._stopping = True
         self.abort_all()
-        if self._placement.alive():
-            self._send(Shutdown())
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._placement.join, timeout)
-        if self._receiver is not None:
-            await loop.run_in_executor(None, self._receiver.join, timeout)
-        self._placement.close()
+        for r in self.replicas:
+            if r.placement.alive():
+                self._send(r, Shutdown())
+        for r in self.replicas:
+            await loop.run_in_executor(None, r.placement.join, timeout)
+            await loop.run_in_executor(None, r.join_receiver, timeout)
+            r.placement.close()
 
     @property
     def closed(self) -> bool:
@@ -247,7 +214,17 @@ class AsyncLLMEngine:
 
     @property
     def core_pid(self) -> int | None:
-        return None if self._placement.process is None else self._placement.process.pid
+        return self.core_pids[0]
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        """Each replica's engine core process id (None: a core on a thread)."""
+        return [None if r.placement.process is None else r.placement.process.pid for r in self.replicas]
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The cores' last counters, summed over the replicas. Loop thread only."""
+        return total_stats(self.replicas)
 
     @property
     def is_running(self) -> bool:
@@ -262,30 +239,35 @@ class AsyncLLMEngine:
         return self._queued_with(0)
 
     def _queued_with(self, num_new: int) -> int:
-        """Sequences that will wait for a place in the running batch once `num_new` more arrive:
-        those sent to the core that it has not taken in yet plus those waiting there, less the free
-        places of the batch, which the next step fills. Counted in sequences (a request with n=4
-        is 4), the unit the core queues. Loop thread only: `stats` is replaced there."""
-        s = self.stats
-        free = max(0, self._max_running - s.num_running)
-        return max(0, self._num_sent - s.num_received + s.num_waiting + num_new - free)
+        """Sequences that will wait for a place in a running batch once `num_new` more arrive (at
+        the least busy replica), counted in sequences (a request with n=4 is 4), the unit the cores
+        queue. Loop thread only: the replicas' stats are replaced there."""
+        queued = [r.queued_with(0, self._max_running) for r in self.replicas]
+        if num_new:
+            up = [r for r in self.replicas if r.up] or self.replicas
+            best = min(up, key=lambda r: r.queued_with(num_new, self._max_running))
+            queued[best.index] = best.queued_with(num_new, self._max_running)
+        return sum(queued)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    # -- requests ---------------------------------------------------------------------------------
-    def _send(self, msg) -> None:
-        self._send_bytes(self._to_core.encode(msg), type(msg).__name__)
+    def replica_health(self) -> list[dict]:
+        return [r.health() for r in self.replicas]
 
-    def _send_bytes(self, data: bytes, what: str = "AddRequests") -> None:
-        if self._dead is not None and not self._placement.alive():
+    # -- requests ---------------------------------------------------------------------------------
+    def _send(self, replica: Replica, msg) -> None:
+        self._send_bytes(replica, self._to_core.encode(msg), type(msg).__name__)
+
+    def _send_bytes(self, replica: Replica, data: bytes, what: str = "AddRequests") -> None:
+        if not replica.up or (self._dead is not None and not replica.placement.alive()):
             return  # nobody to tell
         with self._send_lock:
             try:
-                self._placement.input.send(data)
+                replica.placement.input.send(data)
             except (zmq.Again, zmq.ZMQError):  # the core is gone; its loss is reported elsewhere
-                logger.warning("could not send %s to the engine core", what)
+                logger.warning("could not send %s to engine core %d", what, replica.index)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     lora_request=None, priority: int = 0) -> RequestStream:
@@ -318,11 +300,29 @@ class AsyncLLMEngine:
         except (msgspec.EncodeError, OverflowError) as e:  # e.g. a seed beyond 64 bits
             self.front.output_processor.abort(request_id)
             raise ValueError(f"the request has a value the engine cannot take: {e}") from None
+        replica = self._route(core_requests[0])
         stream = RequestStream(request_id, core_requests[0].arrival_time)
         self._streams[request_id] = stream
-        self._num_sent += len(core_requests)
-        self._send_bytes(data)
+        self._replica_of[request_id] = replica
+        replica.requests.add(request_id)
+        replica.num_routed += 1
+        replica.num_sent += len(core_requests)
+        replica.num_seqs_in_flight += len(core_requests)
+        stream.num_seqs = len(core_requests)
+        self._send_bytes(replica, data)
         return stream
+
+    def _route(self, request) -> Replica:
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        lora = request.lora_request
+        hashes = self._router.block_hashes(request.prompt_token_ids, None if lora is None else lora.lora_int_id)
+        loads = [self._router.load(r.num_seqs_in_flight, r.stats.kv_usage) if r.up else None for r in self.replicas]
+        try:
+            return self.replicas[self._router.choose(hashes, loads)]
+        except RuntimeError as e:
+            self.front.output_processor.abort(request.request_id)
+            raise EngineShutdownError(f"{e}: every replica is restarting; retry later") from None
 
     def abort(self, request_id: str) -> None:
         """Drops a request and frees its blocks; its stream ends with finish_reason "abort". Safe
@@ -334,8 +334,9 @@ class AsyncLLMEngine:
                 pass
             return
         out, seq_ids = self.front.output_processor.abort(request_id)
-        if seq_ids:
-            self._send(AbortRequests(seq_ids))
+        replica = self._replica_of.get(request_id)
+        if seq_ids and replica is not None:
+            self._send(replica, AbortRequests(seq_ids))
         if out is not None:
             self._dispatch([out], time.monotonic())
 
@@ -364,32 +365,11 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
-    # -- receiver thread ------------------------------------------------------------------------------
-    def _receive(self) -> None:
-        """Waits for the core's messages and hands each to the loop; notices a core that is gone."""
-        decoder = Codec(CoreToFront)
-        sock = self._placement.output
-        try:
-            while True:
-                if sock.poll(_WATCH_INTERVAL_MS):
-                    msg = decoder.decode(sock.recv(copy=False).buffer)
-                    if isinstance(msg, EngineCoreOutputs):
-                        self._loop.call_soon_threadsafe(self._on_core_outputs, msg)
-                    continue
-                if not self._placement.alive():
-                    while sock.poll(0):  # what it sent before it went
-                        msg = decoder.decode(sock.recv())
-                        if isinstance(msg, EngineCoreOutputs):
-                            self._loop.call_soon_threadsafe(self._on_core_outputs, msg)
-                    if not self._stopping:
-                        self._loop.call_soon_threadsafe(self._on_core_gone, self._placement.exit_description())
-                    return
-        except (zmq.ZMQError, RuntimeError):  # the sockets closed at shutdown, or the loop did
-            return
-
     # -- loop-thread side -------------------------------------------------------------------------
-    def _on_core_outputs(self, msg: EngineCoreOutputs) -> None:
-        self.stats = msg.stats
+    def _on_core_outputs(self, replica: Replica, msg: EngineCoreOutputs) -> None:
+        if not replica.up:
+            return  # a message of a core that is gone and being replaced
+        replica.stats = msg.stats
         if msg.step_tokens and self.on_step_tokens is not None:
             try:
                 self.on_step_tokens(msg.step_tokens)
@@ -398,27 +378,111 @@ class AsyncLLMEngine:
         if msg.outputs:
             outputs, drop = self.front.output_processor.process(msg.outputs, msg.timestamp)
             for reason, ids in drop.items():
-                self._send(AbortRequests(ids, reason))
+                self._send(replica, AbortRequests(ids, reason))
             self._dispatch(outputs, msg.timestamp)
-        if msg.dead is not None and msg.process_lost:
+        if msg.dead is not None and msg.process_lost and len(self.replicas) == 1:
             # A rank is gone: the core exits after this message; fail everything now and exit (503 meanwhile).
-            self._on_core_gone(f"the engine lost a process: {msg.dead}")
-        if msg.dead is not None and self._dead is None:
+            self._on_core_gone(replica, replica.placement, f"the engine lost a process: {msg.dead}")
+        elif msg.dead is not None and len(self.replicas) > 1:
+            self._replace_replica(replica, replica.placement, f"engine core {replica.index} gave up: {msg.dead}")
+        elif msg.dead is not None and self._dead is None:
             # The core gave up (steps keep failing): new requests get 503, /health turns 503, and the
             # server stays up to say so.
             from splitserve.core.engine_core import EngineDeadError
             self._dead = EngineDeadError(msg.dead)
-            self._fail_all(self._dead)
+            self._fail(list(self._streams), self._dead)
 
-    def _on_core_gone(self, why: str) -> None:
+    def _on_core_gone(self, replica: Replica, placement: CorePlacement, why: str) -> None:
+        if placement is not replica.placement:
+            return  # an old core's receiver, after the replica was replaced
+        if len(self.replicas) > 1:
+            self._replace_replica(replica, placement, why)
+            return
         if self._dead is not None:
             return
         logger.error("%s; failing %d request(s) in flight", why, len(self._streams))
         from splitserve.core.engine_core import EngineDeadError
         self._dead = EngineDeadError(why)
-        self._fail_all(self._dead)
+        self._fail(list(self._streams), self._dead)
         if self.on_core_lost is not None:
             self.on_core_lost()
+
+    def _replace_replica(self, replica: Replica, placement: CorePlacement, why: str) -> None:
+        """A replica's core died or gave up: fail its requests (the others keep serving) and start
+        a new core in its place, on the same devices, off the loop."""
+        if not replica.up or self._stopping:
+            return
+        replica.up = False
+        replica.last_error = why
+        ids = list(replica.requests)
+        logger.error("engine core %d: %s; failing its %d request(s), restarting it", replica.index, why, len(ids))
+        self._fail(ids, ReplicaLostError(f"engine replica {replica.index} failed ({why}); retry the request"))
+        if self._router is not None:
+            self._router.forget(replica.index)
+        threading.Thread(target=self._restart, args=(replica, placement), daemon=True,
+                         name=f"splitserve-core-restart-{replica.index}").start()
+
+    def _restart(self, replica: Replica, old: CorePlacement) -> None:
+        """On a thread of its own: the old core is made sure dead, then a new one is started and
+        awaited, with a growing pause between failed attempts."""
+        old.kill()
+        old.join(5)
+        old.close()
+        delay = 1.0
+        while not self._stopping:
+            placement = None
+            try:
+                placement = self._start_core_on_loop(replica)
+                ready = placement.wait_ready(self._ready_timeout)
+            except Exception as e:
+                logger.error("engine core %d did not restart: %s; retrying in %.0f s", replica.index, e, delay)
+                if placement is not None:
+                    placement.kill()
+                    placement.close()
+                replica.last_error = str(e)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            try:
+                self._loop.call_soon_threadsafe(self._on_restarted, replica, placement, ready.num_blocks)
+            except RuntimeError:  # the loop is closed
+                placement.kill()
+                placement.close()
+            return
+
+    def _start_core_on_loop(self, replica: Replica) -> CorePlacement:
+        """Starts a core process from the event loop's thread and returns its placement. Not from
+        the restart thread: the kernel's parent-death signal (process_lifetime.die_with_parent)
+        follows the *thread* that started the child, and a restart thread ends soon after."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def start() -> None:
+            placement = CorePlacement()
+            try:
+                placement.start_process(self._config, replica.visible_devices)
+            except BaseException as e:
+                placement.close()
+                done.set_exception(e)
+                return
+            done.set_result(placement)
+
+        self._loop.call_soon_threadsafe(start)
+        return done.result(timeout=60)
+
+    def _on_restarted(self, replica: Replica, placement: CorePlacement, num_blocks: int) -> None:
+        if self._stopping:
+            placement.kill()
+            placement.close()
+            return
+        replica.placement = placement
+        replica.num_blocks = num_blocks
+        replica.stats = SchedulerStats()
+        replica.num_sent = replica.num_seqs_in_flight = 0
+        replica.requests.clear()
+        replica.restarts += 1
+        replica.up = True
+        self._start_receiver(replica)
+        logger.info("engine core %d is back (process %d)", replica.index, placement.process.pid)
 
     def _dispatch(self, outputs: list[RequestOutput], ts: float) -> None:
         for out in outputs:
@@ -427,12 +491,19 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 stream.engine_done = True
-                self._streams.pop(out.request_id, None)
+                self._forget(out.request_id)
             self._observe(stream, out, ts)
             if any(o.finish_reason == "error" for o in out.outputs):
                 stream._put(EngineRequestError("the engine failed while running this request"))
             else:
                 stream._put(out)
+
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        replica = self._replica_of.pop(request_id, None)
+        if replica is not None and request_id in replica.requests:
+            replica.requests.discard(request_id)
+            replica.num_seqs_in_flight -= stream.num_seqs if stream is not None else 1
 
     def _observe(self, stream: RequestStream, out: RequestOutput, ts: float) -> None:
         if self.on_output is not None:
@@ -441,12 +512,15 @@ class AsyncLLMEngine:
             except Exception:  # metrics must never break serving
                 logger.exception("output observer failed")
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         ts = time.monotonic()
-        for rid in list(self._streams):
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
             out, _ = self.front.output_processor.abort(rid, "error")
-            stream = self._streams.pop(rid)
+            self._forget(rid)
             stream.engine_done = True
             if out is not None:  # the observer sees every request end, these too (metrics: "error")
                 self._observe(stream, out, ts)
-            stream._put(EngineShutdownError(f"the engine stopped: {exc}"))
+            stream._put(exc if isinstance(exc, ReplicaLostError) else EngineShutdownError(f"the engine stopped: {exc}"))

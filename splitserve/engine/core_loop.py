@@ -122,8 +122,13 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
 
 
 # -- the process placement ----------------------------------------------------------------------------
-def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
-    """Entry point of the engine core process (multiprocessing, spawn)."""
+def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int,
+                      visible_devices: str | None = None) -> None:
+    """Entry point of the engine core process (multiprocessing, spawn). `visible_devices`: the
+    CUDA_VISIBLE_DEVICES of a data-parallel replica (set before anything touches CUDA; its rank
+    processes inherit it)."""
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
@@ -134,6 +139,12 @@ def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int
     ctx = zmq.Context()
     inp, out = connect_sockets(ctx, input_addr, output_addr)
     ready = Codec(CoreReady)
+    dp = config.parallel.data_parallel_size
+    if dp > 1 and not config.device.startswith("cuda"):
+        # Replicas on the CPU share its cores: each takes its part (more threads only take turns).
+        import torch
+        from splitserve.cpu_limits import usable_cpus
+        torch.set_num_threads(max(1, int(usable_cpus()) // dp))
     try:
         from splitserve.executor import build_engine_core
         core = build_engine_core(config)

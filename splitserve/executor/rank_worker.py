@@ -134,7 +134,8 @@ class RankWorker:
         else:
             backend = "gloo"
             # The host's cores are shared by the ranks on it.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (par.world_size // par.nnodes)))
+            ranks_here = par.world_size // par.nnodes * par.data_parallel_size  # data-parallel replicas' too
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
         self.device = device
         config = dataclasses.replace(config, device=device)
         init_model_parallel(tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size, rank=rank,

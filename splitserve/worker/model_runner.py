@@ -31,6 +31,10 @@ from splitserve.worker.sampling_metadata import build_sampling_metadata
 logger = logging.getLogger(__name__)
 
 
+
+# What the CUDA context and the libraries' handles take outside torch's allocator (an allowance).
+_CUDA_CONTEXT_BYTES = 1 << 29
+
 class _Staging:
     """Host buffers the step's inputs are written into (numpy views) and copied to the device from.
     Pinned on CUDA so the copies are asynchronous. The runner alternates two sets: a set is written
@@ -212,7 +216,11 @@ class ModelRunner:
             m = self.config.model
             act = sched.max_num_batched_tokens * m.hf_config.hidden_size * 2 * 16 + \
                 max(sched.max_num_seqs, 512) * m.vocab_size * 4 * 4 + (1 << 30)
-            budget = total * cache.gpu_memory_utilization - (total - free) - act
+            # This engine's share of the GPU less what it already holds (weights; the CUDA context
+            # as an allowance), and never more than is free: data-parallel replicas that share a GPU
+            # (--gpu-memory-utilization 0.45 each) each get their own share, whichever starts first.
+            own = torch.cuda.memory_reserved(self.device) + _CUDA_CONTEXT_BYTES
+            budget = min(total * cache.gpu_memory_utilization - own, free) - act
         else:
             budget = cache.cpu_kv_cache_gib * (1 << 30)
         num_blocks = int(budget // self.bytes_per_block())

@@ -131,7 +131,7 @@ def test_every_exit_is_counted_once_under_one_reason():
         assert '"error"' in events[-2]
         # the core lost while requests run: they end as errors too, and what comes after is rejected
         running = await serving.create_completion(stream_body(5000), None)
-        eng._on_core_gone("test: the core is gone")
+        eng._on_core_gone(eng.replicas[0], eng.replicas[0].placement, "test: the core is gone")
         events = await read_events(running)
         assert '"error"' in events[-2]
         with pytest.raises(APIError) as dead:

@@ -93,7 +93,8 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
                   "cache_dtype": str(getattr(cfg.cache, "kv_cache_dtype", None) or getattr(cfg.cache, "cache_dtype", None)
                                      or "auto")}
     metrics = ServerMetrics(model_name, lambda: async_engine.stats, cfg.model.max_model_len, cache_info,
-                            compat=getattr(args, "metrics_compat", None))
+                            compat=getattr(args, "metrics_compat", None),
+                            replica_stats=lambda: [r.stats for r in async_engine.replicas])
     async_engine.on_output = metrics.on_output
     async_engine.on_step_tokens = metrics.on_step_tokens
     stats_logger = None if getattr(args, "disable_log_stats", True) else StatsLogger(metrics, lambda: async_engine.stats)
@@ -241,6 +242,11 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
             return _error_response(overloaded("the server is shutting down"))
         if async_engine.dead_error is not None:
             return _error_response(overloaded(f"the engine has stopped: {async_engine.dead_error}"))
+        if len(async_engine.replicas) > 1:  # data parallel: healthy while one replica serves
+            replicas = async_engine.replica_health()
+            up = any(r["status"] == "ok" for r in replicas)
+            return JSONResponse({"status": "ok" if up else "unavailable", "replicas": replicas},
+                                status_code=200 if up else 503)
         return Response(status_code=200)
 
     # SageMaker's health probe (vLLM answers it the same way as /health), by GET or POST.
