@@ -28,7 +28,12 @@ class LLM:
         if unsupported:
             raise TypeError(f"LLM(): {', '.join(unsupported)} {'is a vLLM option' if len(unsupported) == 1 else 'are vLLM options'} "
                             f"splitserve does not support")
-        self.engine = LLMEngine(EngineArgs.from_kwargs("LLM()", model=model, **kwargs))
+        args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
+        if args.data_parallel_size > 1:  # engine cores in processes of their own, as the server's
+            from splitserve.engine.replicated_llm_engine import ReplicatedLLMEngine
+            self.engine = ReplicatedLLMEngine(args)
+        else:
+            self.engine = LLMEngine(args)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

@@ -163,3 +163,21 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(dp_server):
     before = routed(dp_server)[1]
     complete_all(dp_server.url, [[random.Random(77 + i).randrange(1000, 40000) for _ in range(5)] for i in range(8)], 2)
     assert routed(dp_server)[1] > before
+
+
+def test_offline_llm_with_two_replicas_equals_one_engine(tiny_model_dir):
+    from splitserve import LLM, SamplingParams
+    prompts = [[random.Random(300 + i).randrange(3, 1000) for _ in range(2 + i % 20)] for i in range(24)]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(tiny_model_dir, data_parallel_size=2, max_model_len=512)
+    try:
+        got = llm.generate(prompts, sp, use_tqdm=False)
+        replicas = llm.engine.engine.replica_health()
+        pids = [r["pid"] for r in replicas]
+    finally:
+        llm.engine.shutdown()
+    assert all(r["requests_routed"] > 0 for r in replicas)
+    ref = LLM(tiny_model_dir, max_model_len=512).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]
+    assert not any(alive(p) for p in pids)
