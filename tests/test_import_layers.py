@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loading",),                        # HF dirs, GGUF, .nemo, safetensors
     ("multimodal",),                     # media decoding, processors
     ("lora",),
+    ("kv_transfer",),                    # KV connectors: moving blocks between engines (NIXL, TCP, host memory)
     ("attention",),
     ("layers",),
     ("kernels",),
