@@ -35,7 +35,7 @@ def prefill_side(args, to_decode, from_decode):
     pool = make_pool(args, fill=True)
     transport = NixlKVTransport("prefill", pool)
     n = args.tokens // 16
-    src_blocks = list(range(7, 7 + 2 * n, 2))  # scattered: every other block
+    src_blocks = list(range(7, 7 + args.stride * n, args.stride))  # stride 2: every other block
     to_decode.put((transport.metadata(), src_blocks, checksums(pool, src_blocks)))
     done = 0
     while done < args.repeats + 1:  # the warm-up and the timed reads each notify once
@@ -76,6 +76,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--pool-blocks", type=int, default=1024)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--stride", type=int, default=1, help="1: the request's blocks contiguous in the source "
+                   "pool (NIXL merges them into one descriptor per layer); 2: every other block")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     a, b, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -86,7 +88,7 @@ def main() -> None:
     for pr in procs:
         pr.join(60)
     med = statistics.median(times)
-    print(f"| NIXL READ {args.tokens} tokens, Llama-3-8B KV ({nbytes / 2**30:.2f} GiB, {args.device}) | "
+    print(f"| NIXL READ {args.tokens} tokens (block stride {args.stride}), Llama-3-8B KV ({nbytes / 2**30:.2f} GiB, {args.device}) | "
           f"median {med * 1e3:.2f} ms, min {min(times) * 1e3:.2f} ms | {nbytes / med / 1e9:.1f} GB/s | bytes equal: {ok} |")
 
 
