@@ -125,6 +125,12 @@ class CompileConfig:
         return sizes or sorted(self.cudagraph_batch_sizes)[:1]
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+# Ray's placement-group strategies: PACK fills a node and spills to the next when it runs out;
+# STRICT_SPREAD puts every rank on a node of its own.
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor x pipeline parallel ranks, and the hosts they span (torchrun's names)."""
@@ -136,6 +142,23 @@ class ParallelConfig:
     master_port: int | None = None  # None: a free port (one node only)
     distributed_timeout_s: float = 600.0  # bound on the ranks' start-up and on any collective
     step_timeout_s: float = 300.0  # a step no rank answered within this counts as a hung rank
+    # Who starts the ranks: "mp" (processes of this host, --nnodes for more hosts) or "ray" (Ray actors
+    # placed by a placement group over a Ray cluster's nodes; executor/ray_ranks.py).
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None  # None: $RAY_ADDRESS, else the latest local cluster, else a new one
+    ray_placement_strategy: str = "PACK"  # one of RAY_PLACEMENT_STRATEGIES
+    ray_bundle_resource: tuple[str, float] | None = None  # a custom resource each rank's bundle also takes
+
+    def __post_init__(self) -> None:
+        _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                 f"got {self.distributed_executor_backend!r}")
+        _require(self.ray_placement_strategy in RAY_PLACEMENT_STRATEGIES,
+                 f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                 f"got {self.ray_placement_strategy!r}")
+        _require(self.distributed_executor_backend != "ray" or self.nnodes == 1,
+                 "--distributed-executor-backend ray places the ranks on the Ray cluster's nodes itself: drop "
+                 "--nnodes (start the other hosts with `ray start --address HEAD_IP:6379`)")
 
     @property
     def world_size(self) -> int:
