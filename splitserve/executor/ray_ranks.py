@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 
 from splitserve.config import EngineConfig
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 _PASSED_ENV_PREFIXES = ("SPLITSERVE_", "NCCL_", "GLOO_", "TORCH_NCCL_")
 # How often a placement that is still waiting says so.
 _PLACEMENT_LOG_S = 10.0
+# How long a rank's failure waits for Ray to report a peer's death (its likely cause).
+_CAUSE_WAIT_S = 2.0
 
 
 def import_ray():
@@ -54,7 +58,13 @@ def connect(address: str | None) -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
+    # ray.init makes SIGTERM raise SystemExit in the main thread; this process keeps its own handler
+    # (the engine core's exits at once; the cluster it started dies with it, by Ray's fate sharing).
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
     ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
+    if main and handler is not None:
+        signal.signal(signal.SIGTERM, handler)
     return True
 
 
@@ -98,6 +108,25 @@ class RankActor:
             ctx.destroy(linger=2000)  # the last message (often why it stopped) leaves before we return
 
 
+def settled_error(ray, actor, exc: BaseException, wait_s: float = 5.0) -> BaseException:
+    """Ray first reports an actor whose connection broke as unavailable ("may come back"); its verdict
+    (died, and why: "its node has died") follows once the cluster has checked. Asks the actor again
+    until the verdict comes, up to wait_s; else the first error."""
+    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+    deadline = time.monotonic() + wait_s
+    while isinstance(exc, unavailable) and actor is not None and time.monotonic() < deadline:
+        try:
+            ray.get(actor.where.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            break  # it answers after all: keep the first error
+        except ray.exceptions.RayActorError as later:
+            if not isinstance(later, unavailable):
+                return later
+        except Exception:
+            break
+        time.sleep(0.2)
+    return exc
+
+
 def describe_actor_error(what: str, exc: BaseException, ip: str | None) -> str:
     """One line for a dead actor: Ray's reason ("its node has died", ...) where it gives one."""
     text = str(exc)
@@ -119,7 +148,8 @@ class RayRanks:
         self.actors: list = []      # by rank
         self.where: list = []       # (node id, ip, pid) by rank
         self.refs: dict[int, object] = {}
-        self._ended: dict[int, str] = {}  # rank -> why, once seen
+        self._ended: dict[int, tuple[bool, str]] = {}  # rank -> (its actor died, why), once seen
+        self._waited = False
         self.pg = None
         self._connected = connect(par.ray_address)
         self._ray = import_ray()
@@ -158,8 +188,8 @@ class RayRanks:
         self.actors = actors  # (stop kills them should the next lines fail)
         where = ray.get([a.where.remote() for a in actors], timeout=par.distributed_timeout_s)
         # Rank order: the core's node first, then node by node.
-        own_ip = ray.util.get_node_ip_address()
-        order = sorted(range(self.world), key=lambda i: (where[i][1] != own_ip, where[i][1], where[i][0], i))
+        own = ray.get_runtime_context().get_node_id()
+        order = sorted(range(self.world), key=lambda i: (where[i][0] != own, where[i][1], where[i][0], i))
         self.actors = [actors[i] for i in order]
         self.where = [where[i] for i in order]
         nodes = {w[0]: w[1] for w in self.where}
@@ -205,28 +235,41 @@ class RayRanks:
                                                level)
 
     def dead(self) -> list[str]:
-        """Why each rank whose loop has ended, or whose actor died, is gone (none: all running)."""
-        ray = self._ray
-        waiting = [ref for rank, ref in self.refs.items() if rank not in self._ended]
-        if waiting:
-            done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
-            if done:
-                by_ref = {ref: rank for rank, ref in self.refs.items()}
-                for ref in done:
-                    rank = by_ref[ref]
-                    self._ended[rank] = self._why(rank, ref)
-        return [self._ended[rank] for rank in sorted(self._ended)]
+        """Why each rank whose loop has ended, or whose actor died, is gone (none: all running); the
+        actors' deaths first. A loop that ended with an error is often the echo of a peer whose node
+        died (its collective broke), and Ray reports the death a moment later: the first time a loop
+        ends so, the others get that moment to show the cause."""
+        fresh = self._poll(0)
+        if fresh and not self._waited and not any(self._ended[r][0] for r in fresh):
+            self._waited = True
+            self._poll(_CAUSE_WAIT_S)
+        return [why for _, _, why in sorted((not died, rank, why) for rank, (died, why) in self._ended.items())]
 
-    def _why(self, rank: int, ref) -> str:
+    def _poll(self, timeout: float) -> list[int]:
+        """Records the ranks that ended (waiting up to timeout for the first one); returns them."""
+        ray = self._ray
+        pending = {ref: rank for rank, ref in self.refs.items() if rank not in self._ended}
+        if not pending:
+            return []
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        if done:  # and whatever else has ended by now
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        for ref in done:
+            self._ended[pending[ref]] = self._why(pending[ref], ref)
+        return [pending[ref] for ref in done]
+
+    def _why(self, rank: int, ref) -> tuple[bool, str]:
+        """(whether the actor died, why the rank is gone)."""
         ray = self._ray
         ip = self.where[rank][1] if rank < len(self.where) else None
         try:
             code = ray.get(ref, timeout=5)
         except ray.exceptions.RayActorError as e:
-            return describe_actor_error(f"rank {rank}", e, ip)
+            return True, describe_actor_error(f"rank {rank}", settled_error(ray, self.actors[rank], e), ip)
         except Exception as e:  # the loop raised (it reports its own failures, so this is rare)
-            return f"rank {rank} (Ray actor on {ip}) failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        return f"rank {rank} (Ray actor on {ip}) exited with code {code}"
+            first = str(e).splitlines()[0] if str(e) else ""
+            return False, f"rank {rank} (Ray actor on {ip}) failed: {type(e).__name__}: {first}"
+        return False, f"rank {rank} (Ray actor on {ip}) exited with code {code}"
 
     def stop(self, timeout: float = 5.0) -> None:
         """Waits up to timeout for the loops told to stop, then kills every actor, frees the placement
