@@ -39,6 +39,8 @@ class CoreActor:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
     def run(self, entry: Callable, config: EngineConfig, input_addr: str, output_addr: str, log_level: int) -> int:
+        from splitserve.process_lifetime import exit_when_orphaned
+        exit_when_orphaned()  # a raylet killed alone leaves its workers running (and the front's sockets open)
         return entry(config, input_addr, output_addr, None, log_level)
 
 

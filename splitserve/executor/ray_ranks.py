@@ -91,12 +91,20 @@ class RankActor:
         import ray
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
+    def gpu_ids(self) -> list[str]:
+        import ray
+        return [str(g) for g in ray.get_gpu_ids()]
+
     def free_port(self) -> int:
         import ray
         return free_ports(ray.util.get_node_ip_address(), 1)[0]
 
     def run(self, config: EngineConfig, rank: int, local_rank: int, init_method: str, step_addr: str,
-            result_addr: str, log_level: int) -> int:
+            result_addr: str, log_level: int, visible_devices: str | None = None) -> int:
+        from splitserve.process_lifetime import exit_when_orphaned
+        exit_when_orphaned()  # a raylet killed alone leaves its workers running
+        if visible_devices is not None:  # before CUDA starts in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         import zmq
 
         from splitserve.executor.rank_worker import rank_loop
@@ -229,10 +237,29 @@ class RayRanks:
 
     def start(self, addrs: Addresses) -> None:
         level = logging.getLogger().level
-        # Ray gives each actor its own GPU (CUDA_VISIBLE_DEVICES): every rank is cuda:0 of its process.
+        devices = self._node_devices()
         for rank, actor in enumerate(self.actors):
-            self.refs[rank] = actor.run.remote(self.config, rank, 0, addrs.init_method, addrs.step, addrs.result,
-                                               level)
+            visible, local_rank = devices[rank]
+            self.refs[rank] = actor.run.remote(self.config, rank, local_rank, addrs.init_method, addrs.step,
+                                               addrs.result, level, visible)
+
+    def _node_devices(self) -> list[tuple[str | None, int]]:
+        """(CUDA_VISIBLE_DEVICES, local rank) by rank. Ray shows each actor only its own GPU; NCCL finds
+        the fast paths between a node's GPUs (P2P, NVLink) only when each rank sees them all, so every
+        rank of a node sees the node's GPUs of this engine and takes its own by index. (None, 0) on CPU."""
+        if not self.config.device.startswith("cuda"):
+            return [(None, 0)] * self.world
+        ray = self._ray
+        timeout = self.config.parallel.distributed_timeout_s
+        ids = ray.get([a.gpu_ids.remote() for a in self.actors], timeout=timeout)
+        by_node: dict[str, list[str]] = {}
+        for (node, _, _), own in zip(self.where, ids):
+            by_node.setdefault(node, []).extend(own)
+        out = []
+        for (node, _, _), own in zip(self.where, ids):
+            gpus = sorted(set(by_node[node]), key=lambda g: (len(g), g))
+            out.append((",".join(gpus), gpus.index(own[0])))
+        return out
 
     def dead(self) -> list[str]:
         """Why each rank whose loop has ended, or whose actor died, is gone (none: all running); the

@@ -7,10 +7,11 @@ that a bundle taking one lands one rank per node):
 - removing a node under a running TP=2 engine ends its requests with an error naming the dead rank
   (no hang) and leaves no rank actor;
 - two engine cores in Ray actors (RayCoreHost), one per node, served through the front's two tcp://
-  sockets with the front <-> core messages, give TP=1's tokens; removing one node ends that core (its
-  host says the node died) while the other keeps serving;
+  sockets with the front <-> core messages, give TP=1's tokens; killing one node's raylet ends that
+  core (its host says the node died, its process is gone) while the other keeps serving;
 - `splitserve serve -pp 2 --distributed-executor-backend ray --ray-address local` starts its own Ray,
-  serves, and after SIGTERM no process it started is left (by PID).
+  serves, and after SIGTERM no process it started is left (by PID); `splitserve serve -tp 2` with
+  $RAY_ADDRESS joins the test cluster, and after SIGTERM its rank actors there are gone (by PID).
 Kept small for two cores: 2 logical CPUs a node, no dashboard, small object stores, fast node-death
 detection (health checks every 0.5 s)."""
 from __future__ import annotations
@@ -215,12 +216,15 @@ def test_core_hosts_one_per_node_serve_and_a_dead_node_ends_only_its_core(cluste
             assert f.collect(f"warm{i}") == (want, "length")
         fronts[1].add("long", 240)
         time.sleep(1.0)
-        cluster.remove_node(second_node(cluster), allow_graceful=False)
+        node = second_node(cluster)
+        os.kill(node.all_processes["raylet"][0].process.pid, signal.SIGKILL)  # the node's raylet alone
         deadline = time.monotonic() + 30
         while hosts[1].alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not hosts[1].alive()
         assert "node has died" in hosts[1].exit_description(), hosts[1].exit_description()
+        assert_gone(pids[1:])  # the core's process does not outlive its raylet
+        cluster.remove_node(node, allow_graceful=False)  # the rest of that node's processes
         fronts[0].add("after", NEW_TOKENS)  # the other core keeps serving
         assert fronts[0].collect("after") == (want, "length")
         assert hosts[0].alive()
@@ -241,6 +245,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, open(log).read()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, open(log).read()[-3000:]
+        time.sleep(0.5)
+
+
 def test_serve_on_its_own_ray_and_sigterm_leaves_nothing():
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="splitserve-ray-server-", suffix=".log", delete=False)
@@ -251,16 +268,7 @@ def test_serve_on_its_own_ray_and_sigterm_leaves_nothing():
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, open(log.name).read()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, open(log.name).read()[-3000:]
-            time.sleep(0.5)
+        wait_healthy(proc, url, log.name)
         r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NEW_TOKENS
@@ -272,6 +280,41 @@ def test_serve_on_its_own_ray_and_sigterm_leaves_nothing():
         assert proc.wait(timeout=60) == 0, open(log.name).read()[-3000:]
         gone, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def actor_processes(name: str) -> set[int]:
+    """This test's descendants (the test cluster's workers among them) that are Ray actors of a class."""
+    out = set()
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if f"ray::{name}" in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_serve_joins_a_cluster_by_ray_address_and_sigterm_ends_its_actors(cluster, tiny_dir):
+    second_node(cluster)
+    before = actor_processes("RankActor")
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="splitserve-ray-server-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "splitserve", "serve", tiny_dir, "--host", "127.0.0.1", "--port", str(port),
+           "-tp", "2", "--distributed-executor-backend", "ray", "--ray-bundle-resource", "rank_slot",
+           "--max-model-len", "256", "--cpu-kv-cache-gib", "0.05"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_ADDRESS": cluster.address})
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log.name)
+        ranks = actor_processes("RankActor") - before
+        assert len(ranks) == 2  # in the test cluster's nodes, not under the server
+        assert not ranks & {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, open(log.name).read()[-3000:]
+        assert_gone(list(ranks))
     finally:
         if proc.poll() is None:
             proc.kill()
