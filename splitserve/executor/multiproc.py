@@ -5,6 +5,8 @@ Each step message is encoded once and published to every rank on one ZeroMQ XPUB
 subscriber is zmq's, not ours: no pickle per rank); the sampling rank's `StepDone` comes back on a
 PULL socket. On one host the sockets are ipc:// files; with --nnodes > 1 they are tcp:// on
 master_addr, ports master_port + 1 (steps) and + 2 (results), which the headless nodes' ranks reach.
+Who starts the ranks is the executor's `ranks`: `LocalRanks` (processes of this host, below) or
+`RayRanks` (Ray actors over a cluster's nodes, ray_ranks.py; tcp:// on this node's address).
 
 Faults: while it waits the executor watches its local worker processes (a dead one), `RankFailed` /
 `RankLost` messages (a rank's exception, a headless node's dead worker), and the clock (a step that
@@ -191,7 +193,12 @@ class MultiprocExecutor:
         self.world = par.world_size
         self.step_timeout_s = par.step_timeout_s
         self._ipc_dir = tempfile.mkdtemp(prefix="splitserve-ranks-")
-        self.addrs = self.ranks.addresses(self._ipc_dir)
+        try:
+            self.addrs = self.ranks.addresses(self._ipc_dir)
+        except BaseException:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self.ranks.stop(0)
+            raise
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)

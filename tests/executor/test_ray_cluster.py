@@ -139,6 +139,17 @@ def test_a_dead_node_ends_the_requests_with_an_error(cluster, tiny_dir):
     assert_gone(pids)
 
 
+def test_ranks_the_cluster_cannot_place_are_a_clear_error(cluster, tiny_dir):
+    """Three ranks, one per node, on two nodes: Ray cannot place them; the engine says so, naming what
+    it asked for and what the cluster has, within distributed_timeout_s, and leaves nothing reserved."""
+    second_node(cluster)
+    with pytest.raises(RuntimeError, match=r"Ray could not place the ranks .* 3 bundles of .*STRICT_SPREAD"):
+        LLM(tiny_dir, tensor_parallel_size=1, pipeline_parallel_size=3, distributed_executor_backend="ray",
+            ray_placement_strategy="STRICT_SPREAD", distributed_timeout_s=3, **SMALL)
+    from ray.util import placement_group_table
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
 # -- engine cores in Ray actors (the data-parallel replicas' hosts) ----------------------------------------
 class Front:
     """The front's side of one core: a PUSH and a PULL socket bound on tcp:// (what engine/ binds)."""
