@@ -126,6 +126,10 @@ class CompileConfig:
 
 
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
+EXECUTOR_BACKENDS = ("mp", "ray")
+# Ray's placement-group strategies: PACK fills a node and spills to the next when it runs out;
+# STRICT_SPREAD puts every rank on a node of its own.
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -139,11 +143,26 @@ class ParallelConfig:
     master_port: int | None = None  # None: a free port (one node only)
     distributed_timeout_s: float = 600.0  # bound on the ranks' start-up and on any collective
     step_timeout_s: float = 300.0  # a step no rank answered within this counts as a hung rank
+    # Who starts the ranks: "mp" (processes of this host, --nnodes for more hosts) or "ray" (Ray actors
+    # placed by a placement group over a Ray cluster's nodes; executor/ray_ranks.py).
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None  # None: $RAY_ADDRESS, else the latest local cluster, else a new one
+    ray_placement_strategy: str = "PACK"  # one of RAY_PLACEMENT_STRATEGIES
+    ray_bundle_resource: tuple[str, float] | None = None  # a custom resource each rank's bundle also takes
     # Engine cores behind the one front (engine/replicas.py), each with its own tp x pp ranks.
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"  # one of DATA_PARALLEL_BACKENDS: where the replicas' cores run
 
     def __post_init__(self) -> None:
+        _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                 f"got {self.distributed_executor_backend!r}")
+        _require(self.ray_placement_strategy in RAY_PLACEMENT_STRATEGIES,
+                 f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENT_STRATEGIES)}, "
+                 f"got {self.ray_placement_strategy!r}")
+        _require(self.distributed_executor_backend != "ray" or self.nnodes == 1,
+                 "--distributed-executor-backend ray places the ranks on the Ray cluster's nodes itself: drop "
+                 "--nnodes (start the other hosts with `ray start --address HEAD_IP:6379`)")
         _require(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
                  f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
         _require(self.data_parallel_backend in DATA_PARALLEL_BACKENDS,

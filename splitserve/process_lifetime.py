@@ -21,3 +21,19 @@ def flush_and_exit(ctx, code: int) -> None:
     (up to the linger) until the last message - often why this process fails - has left."""
     ctx.destroy(linger=2000)
     os._exit(code)  # skip interpreter teardown (CUDA, process groups, compiled graphs): nothing is left
+
+
+def exit_when_orphaned(interval_s: float = 1.0) -> None:
+    """Starts a daemon thread that ends this process (status 1) once its parent has changed: for a
+    Ray actor, whose parent is its node's raylet. Ray reports such a node dead, but the worker process
+    itself may run on with its sockets (and a GPU) until something ends it. A polling thread rather than
+    PR_SET_PDEATHSIG: that signal follows the parent's thread that forked us, which need not live on."""
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="splitserve-orphan-watch", daemon=True).start()

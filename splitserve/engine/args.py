@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 from splitserve.arg_utils import CliOptions, option
-from splitserve.config import (DATA_PARALLEL_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES, STRUCTURED_OUTPUT_FILLS,
-                               EngineConfig)
+from splitserve.config import (DATA_PARALLEL_BACKENDS, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS,
+                               RAY_PLACEMENT_STRATEGIES, SCHEDULING_POLICIES, STRUCTURED_OUTPUT_FILLS, EngineConfig)
 
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
@@ -119,6 +119,21 @@ class EngineArgs(CliOptions):
     step_timeout_s: float = option(
         300.0, help="a model step that no rank has answered after this many seconds counts as a hung "
                     "rank: the engine fails its requests and stops every process")
+    distributed_executor_backend: str = option(
+        "mp", choices=EXECUTOR_BACKENDS,
+        help="who starts the tp*pp ranks: mp: processes of this host (--nnodes for more hosts); ray: Ray "
+             "actors placed over a Ray cluster's nodes by a placement group (pip install splitserve[ray])")
+    ray_address: str | None = option(
+        None, default_text="$RAY_ADDRESS, else the cluster last started on this host, else a new local one",
+        help="the Ray cluster to join with --distributed-executor-backend ray (e.g. HEAD_IP:6379)")
+    ray_placement_strategy: str = option(
+        "PACK", choices=RAY_PLACEMENT_STRATEGIES,
+        help="how Ray places the ranks' bundles (one per rank: its CPU, its GPU on CUDA): PACK fills a node "
+             "and spills onto the next, STRICT_SPREAD puts each rank on a node of its own")
+    ray_bundle_resource: str | None = option(
+        None, metavar="NAME[=AMOUNT]",
+        help="a custom Ray resource (`ray start --resources`) each rank's bundle also takes (amount 1 unless "
+             "given), to keep the ranks on the nodes that have it")
 
     data_parallel_size: int = option(
         1, aliases=("-dp",), help="engine cores (replicas, each with tp*pp devices) behind the one API "
@@ -195,6 +210,24 @@ class EngineArgs(CliOptions):
                              f"got {self.master_port}")
         if self.distributed_timeout_s <= 0 or self.step_timeout_s <= 0:
             raise ValueError("distributed_timeout_s and step_timeout_s must be > 0")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        self.bundle_resource()  # checks its form now (ParallelConfig checks the backend against --nnodes)
+
+    def bundle_resource(self) -> tuple[str, float] | None:
+        """--ray-bundle-resource as (name, amount)."""
+        spec = self.ray_bundle_resource
+        if not spec:
+            return None
+        name, _, amount = spec.partition("=")
+        try:
+            value = float(amount) if amount else 1.0
+        except ValueError:
+            value = -1.0
+        if not name or value <= 0:
+            raise ValueError(f"ray_bundle_resource must be NAME or NAME=AMOUNT with AMOUNT > 0, got {spec!r}")
+        return name, value
 
     @classmethod
     def cli_title(cls) -> str:

@@ -81,6 +81,28 @@ class ReplicaLostError(EngineShutdownError):
     on the others (HTTP 503: the client may retry)."""
 
 
+def start_core(config, index: int, visible_devices: str | None) -> CorePlacement:
+    """Starts replica `index`'s engine core: a process of this host, or a Ray actor on a node of the
+    cluster with --data-parallel-backend ray (its sockets then tcp:// on this host's address)."""
+    if config.parallel.data_parallel_backend == "ray":
+        from splitserve.executor.ray_ranks import connect, import_ray
+        connect(config.parallel.ray_address)
+        placement = CorePlacement(tcp_host=import_ray().util.get_node_ip_address())
+        try:
+            placement.start_ray_actor(config, index)
+        except BaseException:
+            placement.close()
+            raise
+        return placement
+    placement = CorePlacement()
+    try:
+        placement.start_process(config, visible_devices)
+    except BaseException:
+        placement.close()
+        raise
+    return placement
+
+
 class AsyncLLMEngine:
     def __init__(self, engine=None, max_queued_requests: int | None = None,
                  on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None, *,
@@ -144,9 +166,8 @@ class AsyncLLMEngine:
         replicas: list[Replica] = []
         try:
             for i, dev in enumerate(devices):
-                placement = CorePlacement()
+                placement = start_core(config, i, dev)
                 replicas.append(Replica(i, placement, dev))
-                placement.start_process(config, dev)
             tokenizer = load_front_tokenizer(config)
             mm_processor = build_front_mm_processor(config, tokenizer)
             for r in replicas:
@@ -159,7 +180,7 @@ class AsyncLLMEngine:
                 r.placement.kill()
                 r.placement.close()
             raise
-        logger.info("engine core process(es) %s ready", ", ".join(str(r.placement.process.pid) for r in replicas))
+        logger.info("engine core process(es) %s ready", ", ".join(str(r.placement.pid) for r in replicas))
         engine = cls(max_queued_requests=max_queued_requests, front=front, replicas=replicas)
         engine._ready_timeout = ready_timeout
         return engine
@@ -219,7 +240,7 @@ class AsyncLLMEngine:
     @property
     def core_pids(self) -> list[int | None]:
         """Each replica's engine core process id (None: a core on a thread)."""
-        return [None if r.placement.process is None else r.placement.process.pid for r in self.replicas]
+        return [r.placement.pid for r in self.replicas]
 
     @property
     def stats(self) -> SchedulerStats:
@@ -457,11 +478,9 @@ class AsyncLLMEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def start() -> None:
-            placement = CorePlacement()
             try:
-                placement.start_process(self._config, replica.visible_devices)
+                placement = start_core(self._config, replica.index, replica.visible_devices)
             except BaseException as e:
-                placement.close()
                 done.set_exception(e)
                 return
             done.set_result(placement)
@@ -482,7 +501,7 @@ class AsyncLLMEngine:
         replica.restarts += 1
         replica.up = True
         self._start_receiver(replica)
-        logger.info("engine core %d is back (process %d)", replica.index, placement.process.pid)
+        logger.info("engine core %d is back (process %s)", replica.index, placement.pid)
 
     def _dispatch(self, outputs: list[RequestOutput], ts: float) -> None:
         for out in outputs:

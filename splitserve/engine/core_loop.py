@@ -7,7 +7,8 @@ message per step each way: the front pushes `AddRequests` / `AbortRequests` / `S
 pushes `EngineCoreOutputs`. The first message the loop sends is `CoreReady` (or the start-up error).
 
 The core process watches its parent: the kernel kills it when the parent dies (PR_SET_PDEATHSIG),
-and the loop also checks the parent's pid whenever it is idle, so no orphan ever holds the GPU.
+and the loop also checks the parent's pid whenever it is idle, so no orphan ever holds the GPU. In a
+Ray actor (executor/ray_core_host.py) it runs with no parent to watch: Ray ends it with its owner.
 """
 from __future__ import annotations
 
@@ -122,19 +123,22 @@ def run_core_loop(core, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None
 
 
 # -- the process placement ----------------------------------------------------------------------------
-def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int,
-                      visible_devices: str | None = None) -> None:
-    """Entry point of the engine core process (multiprocessing, spawn). `visible_devices`: the
-    CUDA_VISIBLE_DEVICES of a data-parallel replica (set before anything touches CUDA; its rank
-    processes inherit it)."""
+def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int | None, log_level: int,
+                      visible_devices: str | None = None) -> int:
+    """Entry point of the engine core process (multiprocessing, spawn): it follows parent_pid (the front)
+    and exits with the loop's status. parent_pid None: no parent to follow, the caller owns the
+    lifetime (a Ray actor, executor/ray_core_host.py: Ray ends it with its owner) and gets the status
+    back instead of an exit. `visible_devices`: the CUDA_VISIBLE_DEVICES of a data-parallel replica
+    (set before anything touches CUDA; its rank processes inherit it)."""
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os._exit(1)
-    # SIGINT goes to the whole process group on Ctrl-C; the front decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if parent_pid is not None:
+        die_with_parent()
+        if os.getppid() != parent_pid:  # the parent died before the line above took effect
+            os._exit(1)
+        # SIGINT goes to the whole process group on Ctrl-C; the front decides when the core stops.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
     inp, out = connect_sockets(ctx, input_addr, output_addr)
@@ -151,11 +155,18 @@ def core_process_main(config, input_addr: str, output_addr: str, parent_pid: int
     except BaseException as e:
         logger.exception("engine core start-up failed")
         out.send(ready.encode(CoreReady(0, 0, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")))
-        flush_and_exit(ctx, 1)
+        return _leave(ctx, 1, parent_pid)
     out.send(ready.encode(CoreReady(core.num_blocks, core.config.cache.block_size)))
     try:
         code = run_core_loop(core, inp, out, parent_pid)
     finally:
         core.shutdown()  # the worker processes of a multi-rank engine
     inp.close(linger=0)
+    return _leave(ctx, code, parent_pid)
+
+
+def _leave(ctx: zmq.Context, code: int, parent_pid: int | None) -> int:
+    if parent_pid is None:  # the last messages leave, and the caller decides what becomes of the process
+        ctx.destroy(linger=2000)
+        return code
     flush_and_exit(ctx, code)

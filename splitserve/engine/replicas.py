@@ -33,13 +33,40 @@ logger = logging.getLogger(__name__)
 WATCH_INTERVAL_MS = 200
 
 
-class CorePlacement:
-    """Where one core runs and how the front reaches it: two bound sockets, and a process or a thread."""
+class _ProcessHost:
+    """A core in a process of this host (spawned: a fresh interpreter, CUDA untouched)."""
 
-    def __init__(self):
+    def __init__(self, process: multiprocessing.Process):
+        self.process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_description(self) -> str:
+        return f"the engine core process died (exit code {self.process.exitcode})"
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+
+
+class CorePlacement:
+    """Where one core runs and how the front reaches it: two sockets the front binds, and the core's
+    host: a process of this machine, a Ray actor on any node of a cluster (`--data-parallel-backend
+    ray`: the sockets are then tcp:// on an address the nodes reach), or a thread (tests)."""
+
+    def __init__(self, tcp_host: str | None = None):
         self.dir = tempfile.mkdtemp(prefix="splitserve-")
-        self.input_addr = f"ipc://{self.dir}/input"
-        self.output_addr = f"ipc://{self.dir}/output"
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.setsockopt(zmq.LINGER, 0)
@@ -47,21 +74,41 @@ class CorePlacement:
         # connected yet (a core thread just started), and never longer than this.
         self.input.setsockopt(zmq.SNDHWM, 0)
         self.input.setsockopt(zmq.SNDTIMEO, 5000)
-        self.input.bind(self.input_addr)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(self.output_addr)
-        self.process: multiprocessing.Process | None = None
+        if tcp_host is None:
+            self.input_addr = f"ipc://{self.dir}/input"
+            self.output_addr = f"ipc://{self.dir}/output"
+            self.input.bind(self.input_addr)
+            self.output.bind(self.output_addr)
+        else:
+            self.input_addr = f"tcp://{tcp_host}:{self.input.bind_to_random_port('tcp://*')}"
+            self.output_addr = f"tcp://{tcp_host}:{self.output.bind_to_random_port('tcp://*')}"
+        self.host = None   # _ProcessHost or executor.ray_core_host.RayCoreHost
         self.thread: threading.Thread | None = None
 
     def start_process(self, config: EngineConfig, visible_devices: str | None = None) -> None:
-        """Starts the core in a process of its own (spawned: a fresh interpreter, CUDA untouched)."""
         from splitserve.engine.core_loop import core_process_main
-        self.process = multiprocessing.get_context("spawn").Process(
+        process = multiprocessing.get_context("spawn").Process(
             target=core_process_main, name="splitserve-engine-core",
             args=(config, self.input_addr, self.output_addr, os.getpid(), logging.getLogger().level),
             kwargs={"visible_devices": visible_devices})
-        self.process.start()
+        process.start()
+        self.host = _ProcessHost(process)
+
+    def start_ray_actor(self, config: EngineConfig, index: int) -> None:
+        """Starts the core as a Ray actor, replica `index` of the data-parallel group (Ray chooses its
+        node among those with the GPUs it asks for)."""
+        from splitserve.engine.core_loop import core_process_main
+        from splitserve.executor.ray_core_host import RayCoreHost
+        bundle = config.parallel.ray_bundle_resource  # e.g. one slot per node: one replica per node
+        self.host = RayCoreHost(config, self.input_addr, self.output_addr, core_process_main,
+                                resources=dict([bundle]) if bundle else None, name=f"engine core {index}")
+        self.host.start()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.host is None else self.host.pid
 
     def wait_ready(self, timeout: float | None) -> CoreReady:
         """The core's first message (raises with the core's own start-up error, or if it died)."""
@@ -81,27 +128,24 @@ class CorePlacement:
         raise RuntimeError(f"the engine core was not ready after {timeout} s")
 
     def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.is_alive()
+        if self.host is not None:
+            return self.host.alive()
         return self.thread is not None and self.thread.is_alive()
 
     def exit_description(self) -> str:
-        if self.process is not None:
-            return f"the engine core process died (exit code {self.process.exitcode})"
+        if self.host is not None:
+            return self.host.exit_description()
         return "the engine core thread stopped"
 
     def kill(self) -> None:
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+        if self.host is not None:
+            self.host.kill()
 
     def join(self, timeout: float) -> None:
         if self.thread is not None:
             self.thread.join(timeout)
-        if self.process is not None:
-            self.process.join(timeout)
-            if self.process.is_alive():
-                self.kill()
+        if self.host is not None:
+            self.host.join(timeout)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)  # closes both sockets (a core thread that never ended cannot block this)
@@ -172,7 +216,7 @@ class Replica:
         return max(0, self.num_sent - s.num_received + s.num_waiting + num_new - free)
 
     def health(self) -> dict:
-        pid = None if self.placement.process is None else self.placement.process.pid
+        pid = self.placement.pid
         return {"engine": self.index, "status": "ok" if self.up else "restarting", "pid": pid,
                 "requests_routed": self.num_routed, "requests_in_flight": len(self.requests),
                 "running": self.stats.num_running, "waiting": self.stats.num_waiting,
@@ -197,8 +241,8 @@ def replica_devices(config: EngineConfig, num_gpus: int | None = None) -> list[s
     with one replica). Raises ValueError when the GPUs cannot hold the replicas."""
     par: ParallelConfig = config.parallel
     dp = par.data_parallel_size
-    if dp == 1 or not config.device.startswith("cuda"):
-        return [None] * dp
+    if dp == 1 or not config.device.startswith("cuda") or par.data_parallel_backend == "ray":
+        return [None] * dp  # (Ray gives each replica's actor its GPUs)
     if num_gpus is None:
         import torch
         num_gpus = torch.cuda.device_count()

@@ -1,5 +1,6 @@
 """Executors run the model for the engine core (core/executor.py is their contract): in the core's own
-process with world size 1, else one worker process per rank. `build_executor` picks one."""
+process with world size 1, else one worker process per rank (local processes, or Ray actors with
+--distributed-executor-backend ray). `build_executor` picks one."""
 from __future__ import annotations
 
 from splitserve.config import EngineConfig
@@ -10,6 +11,9 @@ def build_executor(config: EngineConfig):
     captured by the time it returns)."""
     if config.world_size > 1:
         from splitserve.executor.multiproc import MultiprocExecutor
+        if config.parallel.distributed_executor_backend == "ray":  # Ray is imported on this path only
+            from splitserve.executor.ray_ranks import RayRanks
+            return MultiprocExecutor(config, RayRanks(config))
         return MultiprocExecutor(config)
     from splitserve.executor.in_process import InProcessExecutor
     return InProcessExecutor(config)

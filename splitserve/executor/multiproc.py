@@ -5,6 +5,8 @@ Each step message is encoded once and published to every rank on one ZeroMQ XPUB
 subscriber is zmq's, not ours: no pickle per rank); the sampling rank's `StepDone` comes back on a
 PULL socket. On one host the sockets are ipc:// files; with --nnodes > 1 they are tcp:// on
 master_addr, ports master_port + 1 (steps) and + 2 (results), which the headless nodes' ranks reach.
+Who starts the ranks is the executor's `ranks`: `LocalRanks` (processes of this host, below) or
+`RayRanks` (Ray actors over a cluster's nodes, ray_ranks.py; tcp:// on this node's address).
 
 Faults: while it waits the executor watches its local worker processes (a dead one), `RankFailed` /
 `RankLost` messages (a rank's exception, a headless node's dead worker), and the clock (a step that
@@ -121,6 +123,36 @@ def describe_exit(rank: int, code: int | None) -> str:
     return f"rank {rank} exited with code {code}"
 
 
+class LocalRanks:
+    """The ranks of this host, one process each (multiprocessing, spawn); --nnodes > 1 has the other
+    hosts' ranks started by their own `splitserve serve --node-rank` (launcher.py). executor/ray_ranks.py
+    is the other kind: Ray actors. The executor asks a kind for its addresses, starts it, asks which
+    ranks have died, and stops it."""
+
+    def __init__(self, config: EngineConfig):
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ValueError(f"node_rank {par.node_rank}: the engine runs on node 0; on the other nodes "
+                             f"`splitserve serve --node-rank {par.node_rank} ...` starts their ranks only")
+        check_devices(par, config.device)
+        self.config = config
+        self.procs: dict[int, multiprocessing.Process] = {}
+        self.placement = f"{par.nnodes} node(s)"
+
+    def addresses(self, ipc_dir: str) -> Addresses:
+        return addresses(self.config.parallel, ipc_dir)
+
+    def start(self, addrs: Addresses) -> None:
+        self.procs.update(start_workers(self.config, addrs))
+
+    def dead(self) -> list[str]:
+        """Why each rank that has exited is gone (none: all alive)."""
+        return [describe_exit(rank, p.exitcode) for rank, p in self.procs.items() if not p.is_alive()]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        stop_processes(list(self.procs.values()), timeout=timeout)
+
+
 class _RemoteStep:
     """A step sent to the ranks; `collect` waits for its StepDone. For the core it is an InFlightStep:
     with async scheduling the next step is sent before this one is collected. Each rank finishes a
@@ -147,12 +179,10 @@ def _kv_free_window(hf_config) -> int | None:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, ranks=None):
+        """`ranks`: who starts the rank processes (LocalRanks, or a RayRanks of executor/ray_ranks.py)."""
         par = self.par = config.parallel
-        if par.node_rank != 0:
-            raise ValueError(f"node_rank {par.node_rank}: the engine runs on node 0; on the other nodes "
-                             f"`splitserve serve --node-rank {par.node_rank} ...` starts their ranks only")
-        check_devices(par, config.device)
+        self.ranks = ranks if ranks is not None else LocalRanks(config)
         self.lora = None  # LoRA: the core's manager here; each rank attaches its own slots (rank_worker.py)
         if config.lora is not None:
             from splitserve.lora.manager import build_manager
@@ -163,7 +193,12 @@ class MultiprocExecutor:
         self.world = par.world_size
         self.step_timeout_s = par.step_timeout_s
         self._ipc_dir = tempfile.mkdtemp(prefix="splitserve-ranks-")
-        self.addrs = addresses(par, self._ipc_dir)
+        try:
+            self.addrs = self.ranks.addresses(self._ipc_dir)
+        except BaseException:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self.ranks.stop(0)
+            raise
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)
@@ -177,22 +212,22 @@ class MultiprocExecutor:
             except zmq.ZMQError as e:
                 self.ctx.destroy(linger=0)
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
+                self.ranks.stop(0)
                 raise ValueError(f"cannot listen on {addr} for the ranks: {e} (is --master-addr an address of "
                                  f"this host, and are --master-port + 1 and + 2 free?)") from None
         self._encode = Codec(CoreToWorker).encode
         self._decoder = Codec(WorkerToCore)
-        self.procs: dict[int, multiprocessing.Process] = {}
         self._num_launched = 0
         self._dead: str | None = None
-        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.ctx, self._ipc_dir)
+        self._finalizer = weakref.finalize(self, _cleanup, self.ranks, self.ctx, self._ipc_dir)
         try:
-            self.procs.update(start_workers(config, self.addrs))
+            self.ranks.start(self.addrs)
             deadline = time.monotonic() + par.distributed_timeout_s
             self._wait_subscribers(deadline)
             blocks = self._gather(RankBlocks, deadline, "start-up")
             self.num_blocks = min(m.num_blocks for m in blocks)
-            logger.info("%d ranks up (tp %d x pp %d over %d node(s)); KV blocks per rank: %s, using %d", self.world,
-                        par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes,
+            logger.info("%d ranks up (tp %d x pp %d over %s); KV blocks per rank: %s, using %d", self.world,
+                        par.tensor_parallel_size, par.pipeline_parallel_size, self.ranks.placement,
                         sorted(m.num_blocks for m in blocks), self.num_blocks)
             self.pub.send(self._encode(StartKV(self.num_blocks)))
             self._gather(RankReady, deadline, "start-up")
@@ -202,16 +237,16 @@ class MultiprocExecutor:
 
     # -- waiting on the ranks --------------------------------------------------------------------
     def _check_procs(self, phase: str) -> None:
-        for rank, p in self.procs.items():
-            if not p.is_alive():
-                # A rank that failed sends why before it exits, but the message can still be in flight
-                # when the exit is seen: give it a moment so the error names the cause, not the exit code.
-                deadline = time.monotonic() + _LAST_WORDS_S
-                while self.pull.poll(max(0, int(1000 * (deadline - time.monotonic())))):
-                    msg = self._decoder.decode(self.pull.recv())
-                    if isinstance(msg, (RankFailed, RankLost)):
-                        self._unexpected(msg, phase)
-                raise RuntimeError(f"{describe_exit(rank, p.exitcode)} during {phase}")
+        dead = self.ranks.dead()
+        if dead:
+            # A rank that failed sends why before it exits, but the message can still be in flight
+            # when the exit is seen: give it a moment so the error names the cause, not the exit code.
+            deadline = time.monotonic() + _LAST_WORDS_S
+            while self.pull.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+                msg = self._decoder.decode(self.pull.recv())
+                if isinstance(msg, (RankFailed, RankLost)):
+                    self._unexpected(msg, phase)
+            raise RuntimeError(f"{dead[0]} during {phase}")
 
     def _wait_subscribers(self, deadline: float) -> None:
         joined = 0
@@ -284,9 +319,9 @@ class MultiprocExecutor:
                     self._unexpected(msg, f"step {step.step_no}")
                 except RuntimeError as e:
                     self._lose(str(e))
-            for rank, p in self.procs.items():
-                if not p.is_alive():
-                    self._lose(describe_exit(rank, p.exitcode))
+            dead = self.ranks.dead()
+            if dead:
+                self._lose(dead[0])
             if time.monotonic() > deadline:
                 self._lose(f"no answer to step {step.step_no} within step_timeout_s={self.step_timeout_s:g} s "
                            f"(a hung rank?)")
@@ -301,16 +336,16 @@ class MultiprocExecutor:
                 self._unexpected(msg, "an idle moment")
             except RuntimeError as e:
                 self._lose(str(e))
-        for rank, p in self.procs.items():
-            if not p.is_alive():
-                self._lose(describe_exit(rank, p.exitcode))
+        dead = self.ranks.dead()
+        if dead:
+            self._lose(dead[0])
 
     def _dead_ranks(self, wait_s: float) -> list[str]:
         """The local ranks that have exited, waiting up to wait_s for one (a rank's error is often the
         echo of a peer's death: its collective broke)."""
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [describe_exit(rank, p.exitcode) for rank, p in self.procs.items() if not p.is_alive()]
+            dead = self.ranks.dead()
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
@@ -338,7 +373,7 @@ class MultiprocExecutor:
             self._finalizer()
 
 
-def _cleanup(procs: dict, ctx: zmq.Context, ipc_dir: str) -> None:
-    stop_processes(list(procs.values()), timeout=5.0)
+def _cleanup(ranks, ctx: zmq.Context, ipc_dir: str) -> None:
+    ranks.stop(timeout=5.0)
     ctx.destroy(linger=500)
     shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -202,9 +202,10 @@ def connect_worker_sockets(ctx: zmq.Context, step_addr: str, result_addr: str):
 
 
 class CoreWatch:
-    """Tells when the engine core is gone: its socket's connection dropped, or our parent changed."""
+    """Tells when the engine core is gone: its socket's connection dropped, or our parent changed (no
+    parent to watch under Ray: parent_pid None)."""
 
-    def __init__(self, monitor: zmq.Socket, parent_pid: int):
+    def __init__(self, monitor: zmq.Socket, parent_pid: int | None):
         from zmq.utils.monitor import recv_monitor_message
         self._recv = recv_monitor_message
         self.monitor, self.parent_pid, self.connected = monitor, parent_pid, False
@@ -216,13 +217,12 @@ class CoreWatch:
                 self.connected = True
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 return True
-        return os.getppid() != self.parent_pid
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
 
 
 def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: str, step_addr: str, result_addr: str,
                 parent_pid: int, log_level: int) -> None:
     """Entry point of a worker process (multiprocessing, spawn)."""
-    from splitserve.fault_injection import rank_fault
     from splitserve.process_lifetime import die_with_parent, flush_and_exit
     die_with_parent()
     if os.getppid() != parent_pid:
@@ -231,6 +231,14 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: s
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
     ctx = zmq.Context()
+    flush_and_exit(ctx, rank_loop(ctx, config, rank, local_rank, init_method, step_addr, result_addr, parent_pid))
+
+
+def rank_loop(ctx: zmq.Context, config: EngineConfig, rank: int, local_rank: int, init_method: str, step_addr: str,
+              result_addr: str, parent_pid: int | None) -> int:
+    """One rank from start-up to its end: the exit status (0 after the core's Stop). The same for a
+    worker process and a Ray actor (executor/ray_ranks.py), which calls it without a parent to watch."""
+    from splitserve.fault_injection import rank_fault
     sub, monitor, push = connect_worker_sockets(ctx, step_addr, result_addr)
     watch = CoreWatch(monitor, parent_pid)
     encode = Codec(WorkerToCore).encode
@@ -241,7 +249,7 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: s
     except BaseException as e:
         logger.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
         push.send(encode(RankFailed(rank, describe_startup_error(e, rank, device), startup=True)))
-        flush_and_exit(ctx, 1)
+        return 1
     push.send(encode(RankBlocks(rank, worker.num_blocks)))
     code = 0
     try:
@@ -269,4 +277,4 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: s
         logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
         push.send(encode(RankFailed(rank, f"rank {rank} ({device}) failed: {type(e).__name__}: {e}")))
         code = 1
-    flush_and_exit(ctx, code)
+    return code
