@@ -17,9 +17,10 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-DOMAIN = "ai.splitserve"
-OP_TYPE = "BatchlessAttention"
-DOMAIN_VERSION = 1
+from splitserve.loading.onnx_export import OP_DOMAIN as DOMAIN
+from splitserve.loading.onnx_export import OP_TYPE
+from splitserve.loading.onnx_export import OP_VERSION as DOMAIN_VERSION
+
 # Attributes of the node, in order, with their types and defaults (None: required).
 ATTRIBUTES = (("num_heads", "int", None), ("num_kv_heads", "int", None), ("head_dim", "int", None),
               ("scale", "float", None), ("layer_idx", "int", None), ("sliding_window", "int", 0),

@@ -15,6 +15,8 @@ FORMAT = "splitserve-onnx-export"
 VERSION = 1
 BATCHFUL, EMBED_TOKENS, VISUAL_ENCODER = "batchful.onnx", "embed_tokens.onnx", "visual_encoder.onnx"
 BATCHLESS_PREFILL, BATCHLESS_DECODE = "batchless_prefill.onnx", "batchless_decode.onnx"
+# The op at the cut (export/attention_graph.py defines it in plain ONNX; attention/onnx_plugin.py serves it)
+OP_DOMAIN, OP_TYPE, OP_VERSION = "ai.splitserve", "BatchlessAttention", 1
 PARTS = ("batchful", "batchless", "embed_tokens", "visual_encoder")
 
 

@@ -1,0 +1,84 @@
+"""The batchless part under ONNX Runtime: each `ai.splitserve::BatchlessAttention` node of an exported
+batchful graph calls back into splitserve's paged attention, as the seed's TensorRT plugin hands its
+node to a dedicated server.
+
+The node becomes an onnxruntime-extensions Python op (the extensions' PyOp: a custom-op kernel that
+calls a Python function with numpy views of its inputs). Such ops live in the extensions' own domain
+(`ai.onnx.contrib`), so the runner (worker/onnx_runner.py) rewrites the nodes' domain in memory; the file on disk keeps
+`ai.splitserve` and its local function. The body is the serving op's (attention/layer.py): the
+backend's forward on the step's metadata from the forward context, over the layer's paged KV cache,
+which the runner binds once (`bind_kv_caches`). Scheduling, batching, the pool and prefix caching stay
+the engine's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from splitserve.attention.layer import current_context
+
+CONTRIB_DOMAIN = "ai.onnx.contrib"
+_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale", "layer_idx", "sliding_window", "soft_cap")
+# graph dtype -> the registered op's name (a Python op has fixed input types: one registration each)
+OP_NAMES = {"float32": "BatchlessAttention", "float16": "BatchlessAttentionFloat16"}
+
+
+class _State:
+    kv_caches: list[torch.Tensor] = []
+    scales: torch.Tensor | None = None  # the one-element fp32 k/v scale (1.0: the cache is not FP8)
+    calls = 0  # how many nodes ran through the plugin (tests check the plugin, not an inlined body, ran)
+
+
+def bind_kv_caches(kv_caches: list[torch.Tensor]) -> None:
+    """The runner's per-layer caches, indexed by the nodes' layer_idx attribute."""
+    _State.kv_caches = kv_caches
+    _State.scales = torch.ones(1, dtype=torch.float32, device=kv_caches[0].device if kv_caches else "cpu")
+
+
+def num_calls() -> int:
+    return _State.calls
+
+
+def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    # ORT's input buffers are read-only views: torch wants writable memory, and the backend must not
+    # write into ORT's arrays anyway, so the few kilobytes per node are copied.
+    return torch.from_numpy(np.array(x)).to(device, non_blocking=True)
+
+
+def batchless_attention(q, k, v, positions, cos_sin, **attrs):
+    ctx = current_context()
+    if ctx is None:
+        raise RuntimeError("BatchlessAttention ran outside a step: the runner sets the forward context")
+    layer = int(attrs["layer_idx"])
+    cache = _State.kv_caches[layer]
+    H, Hkv, D = int(attrs["num_heads"]), int(attrs["num_kv_heads"]), int(attrs["head_dim"])
+    dev = cache.device
+    T = q.shape[0]
+    out = ctx.backend.forward(_tensor(q, dev).view(T, H, D), _tensor(k, dev).view(T, Hkv, D),
+                              _tensor(v, dev).view(T, Hkv, D), cache, ctx.meta, float(attrs["scale"]),
+                              _tensor(positions, dev), _tensor(cos_sin, dev), k_scale=_State.scales,
+                              v_scale=_State.scales, sliding_window=int(attrs.get("sliding_window", 0)) or None,
+                              soft_cap=float(attrs.get("soft_cap", 0.0)) or None)
+    _State.calls += 1
+    return out.reshape(T, H * D).cpu().numpy()
+
+
+_registered = False
+
+
+def register() -> str:
+    """Registers the Python ops (once per process); returns the extensions' library to load into a
+    session (SessionOptions.register_custom_ops_library)."""
+    global _registered
+    from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+    if not _registered:
+        dt = PyCustomOpDef
+        attrs = {"num_heads": dt.dt_int64, "num_kv_heads": dt.dt_int64, "head_dim": dt.dt_int64,
+                 "scale": dt.dt_float, "layer_idx": dt.dt_int64, "sliding_window": dt.dt_int64,
+                 "soft_cap": dt.dt_float}
+        for elem, name in ((dt.dt_float, OP_NAMES["float32"]), (dt.dt_float16, OP_NAMES["float16"])):
+            onnx_op(op_type=name, inputs=[elem, elem, elem, dt.dt_int64, dt.dt_float], outputs=[elem],
+                    attrs=attrs)(batchless_attention)
+        _registered = True
+    return get_library_path()
+
