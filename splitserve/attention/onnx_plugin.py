@@ -27,11 +27,15 @@ class _State:
     kv_caches: list[torch.Tensor] = []
     scales: torch.Tensor | None = None  # the one-element fp32 k/v scale (1.0: the cache is not FP8)
     calls = 0  # how many nodes ran through the plugin (tests check the plugin, not an inlined body, ran)
+    # The rotary table is the same initializer for every node and step: converted once, found again by
+    # its buffer's address and shape.
+    tables: dict[tuple, torch.Tensor] = {}
 
 
 def bind_kv_caches(kv_caches: list[torch.Tensor]) -> None:
     """The runner's per-layer caches, indexed by the nodes' layer_idx attribute."""
     _State.kv_caches = kv_caches
+    _State.tables = {}
     _State.scales = torch.ones(1, dtype=torch.float32, device=kv_caches[0].device if kv_caches else "cpu")
 
 
@@ -45,6 +49,14 @@ def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(x)).to(device, non_blocking=True)
 
 
+def _table(cos_sin: np.ndarray, device: torch.device) -> torch.Tensor:
+    key = (cos_sin.__array_interface__["data"][0], cos_sin.shape, str(device))
+    table = _State.tables.get(key)
+    if table is None:
+        table = _State.tables[key] = _tensor(cos_sin, device)
+    return table
+
+
 def batchless_attention(q, k, v, positions, cos_sin, **attrs):
     ctx = current_context()
     if ctx is None:
@@ -56,7 +68,7 @@ def batchless_attention(q, k, v, positions, cos_sin, **attrs):
     T = q.shape[0]
     out = ctx.backend.forward(_tensor(q, dev).view(T, H, D), _tensor(k, dev).view(T, Hkv, D),
                               _tensor(v, dev).view(T, Hkv, D), cache, ctx.meta, float(attrs["scale"]),
-                              _tensor(positions, dev), _tensor(cos_sin, dev), k_scale=_State.scales,
+                              _tensor(positions, dev), _table(cos_sin, dev), k_scale=_State.scales,
                               v_scale=_State.scales, sliding_window=int(attrs.get("sliding_window", 0)) or None,
                               soft_cap=float(attrs.get("soft_cap", 0.0)) or None)
     _State.calls += 1

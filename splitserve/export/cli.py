@@ -18,12 +18,15 @@ def register(sub) -> None:
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated parts to write (default: all of {','.join(PARTS)}; visual_encoder "
                         f"only for vision-language models)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights from the model's config (benchmarks of full-size shapes)")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from splitserve.export.exporter import export_model, parse_parts
-    manifest = export_model(args.model, args.output, args.dtype, args.opset, parse_parts(args.parts))
+    manifest = export_model(args.model, args.output, args.dtype, args.opset, parse_parts(args.parts),
+                            args.random_weights)
     print(f"wrote {', '.join(g['file'] for g in manifest['graphs'].values())} and {len(manifest['layers'])} "
           f"layers' manifest to {args.output}; serve it with `splitserve serve {args.output}`")
     return 0

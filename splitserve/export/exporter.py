@@ -197,16 +197,16 @@ def parse_parts(text: str | None) -> tuple[str, ...]:
 
 
 def export_model(model: str | None, output: str, dtype: str = "float32", opset: int = 18,
-                 parts: tuple[str, ...] = files.PARTS) -> dict:
+                 parts: tuple[str, ...] = files.PARTS, random_weights: bool = False) -> dict:
     """Exports `model` (a path, a cached repo id, or None: the default model) into `output`; returns the
-    manifest written there."""
+    manifest written there. random_weights: from the config alone (benchmarks of full-size shapes)."""
     if opset < 18:
         raise ValueError(f"--opset must be at least 18 (the graphs use Split's num_outputs), got {opset}")
     start = time.perf_counter()
     source = resolve_model(model)
     hf_config = load_hf_config(source)
     torch_dtype = resolve_dtype(dtype, hf_config, "cpu")
-    _, m = load_model(source, hf_config, torch_dtype, "cpu")
+    _, m = load_model(source, hf_config, torch_dtype, "cpu", random_weights)
     decoder = decoder_of(m, source.name)
     os.makedirs(output, exist_ok=True)
     graphs: dict[str, dict] = {}
