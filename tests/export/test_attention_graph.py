@@ -1,17 +1,18 @@
 """The plain-ONNX batchless part (export/attention_graph.py) vs splitserve's torch maths: rotary at the
 tokens' positions + causal (optionally windowed, soft-capped) attention with grouped KV heads."""
 import numpy as np
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from onnx import TensorProto, helper
 
-from splitserve.export.attention_graph import (DOMAIN, OP_TYPE, batchless_attention_function, batchless_decode_model,
-                                               batchless_prefill_model)
-from splitserve.layers.rotary import RotaryEmbedding, apply_rotary
-
+onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper  # noqa: E402
+
+from splitserve.export.attention_graph import (  # noqa: E402DOMAIN, OP_TYPE, batchless_attention_function, batchless_decode_model,
+                                               batchless_prefill_model)
+from splitserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
 H, HKV, D = 4, 2, 16
 
 
