@@ -9,8 +9,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
 
-from splitserve.export.attention_graph import (  # noqa: E402DOMAIN, OP_TYPE, batchless_attention_function, batchless_decode_model,
-                                               batchless_prefill_model)
+from splitserve.export.attention_graph import (  # noqa: E402
+    DOMAIN, OP_TYPE, batchless_attention_function, batchless_decode_model, batchless_prefill_model)
 from splitserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 H, HKV, D = 4, 2, 16
