@@ -19,8 +19,9 @@ from splitserve.attention.layer import current_context
 
 CONTRIB_DOMAIN = "ai.onnx.contrib"
 _ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale", "layer_idx", "sliding_window", "soft_cap")
-# graph dtype -> the registered op's name (a Python op has fixed input types: one registration each)
-OP_NAMES = {"float32": "BatchlessAttention", "float16": "BatchlessAttentionFloat16"}
+# The Python op is registered for fp32 tensors only (the extensions' hook does not convert fp16 outputs):
+# a float16 graph casts around it (worker/onnx_runner.py), and the body attends in the cache's dtype.
+OP_NAME = "BatchlessAttention"
 
 
 class _State:
@@ -43,10 +44,10 @@ def num_calls() -> int:
     return _State.calls
 
 
-def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
+def _tensor(x: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     # ORT's input buffers are read-only views: torch wants writable memory, and the backend must not
     # write into ORT's arrays anyway, so the few kilobytes per node are copied.
-    return torch.from_numpy(np.array(x)).to(device, non_blocking=True)
+    return torch.from_numpy(np.array(x)).to(device, dtype=dtype, non_blocking=True)
 
 
 def _table(cos_sin: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -65,14 +66,15 @@ def batchless_attention(q, k, v, positions, cos_sin, **attrs):
     cache = _State.kv_caches[layer]
     H, Hkv, D = int(attrs["num_heads"]), int(attrs["num_kv_heads"]), int(attrs["head_dim"])
     dev = cache.device
+    act = cache.dtype if cache.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
     T = q.shape[0]
-    out = ctx.backend.forward(_tensor(q, dev).view(T, H, D), _tensor(k, dev).view(T, Hkv, D),
-                              _tensor(v, dev).view(T, Hkv, D), cache, ctx.meta, float(attrs["scale"]),
+    out = ctx.backend.forward(_tensor(q, dev, act).view(T, H, D), _tensor(k, dev, act).view(T, Hkv, D),
+                              _tensor(v, dev, act).view(T, Hkv, D), cache, ctx.meta, float(attrs["scale"]),
                               _tensor(positions, dev), _table(cos_sin, dev), k_scale=_State.scales,
                               v_scale=_State.scales, sliding_window=int(attrs.get("sliding_window", 0)) or None,
                               soft_cap=float(attrs.get("soft_cap", 0.0)) or None)
     _State.calls += 1
-    return out.reshape(T, H * D).cpu().numpy()
+    return out.reshape(T, H * D).float().cpu().numpy()
 
 
 _registered = False
@@ -88,9 +90,9 @@ def register() -> str:
         attrs = {"num_heads": dt.dt_int64, "num_kv_heads": dt.dt_int64, "head_dim": dt.dt_int64,
                  "scale": dt.dt_float, "layer_idx": dt.dt_int64, "sliding_window": dt.dt_int64,
                  "soft_cap": dt.dt_float}
-        for elem, name in ((dt.dt_float, OP_NAMES["float32"]), (dt.dt_float16, OP_NAMES["float16"])):
-            onnx_op(op_type=name, inputs=[elem, elem, elem, dt.dt_int64, dt.dt_float], outputs=[elem],
-                    attrs=attrs)(batchless_attention)
+        f32 = dt.dt_float
+        onnx_op(op_type=OP_NAME, inputs=[f32, f32, f32, dt.dt_int64, f32], outputs=[f32],
+                attrs=attrs)(batchless_attention)
         _registered = True
     return get_library_path()
 

@@ -48,12 +48,27 @@ def plugin_model_bytes(path: str, dtype: str) -> bytes:
     """batchful.onnx with its BatchlessAttention nodes turned into the plugin's Python op (the
     extensions' domain), serialized without its weights: the session reads them from the directory."""
     import onnx
+    from onnx import TensorProto, helper
     model = onnx.load(path, load_external_data=False)
-    turned = 0
+    nodes, turned = [], 0
     for node in model.graph.node:
-        if node.domain == OP_DOMAIN and node.op_type == OP_TYPE:
-            node.domain, node.op_type = onnx_plugin.CONTRIB_DOMAIN, onnx_plugin.OP_NAMES[dtype]
-            turned += 1
+        if node.domain != OP_DOMAIN or node.op_type != OP_TYPE:
+            nodes.append(node)
+            continue
+        node.domain, node.op_type = onnx_plugin.CONTRIB_DOMAIN, onnx_plugin.OP_NAME
+        turned += 1
+        if dtype != "float32":  # the Python op takes fp32: cast q, k, v in and the output back
+            for i in range(3):
+                cast = f"{node.name or 'cut'}_{turned}_in{i}_f32"
+                nodes.append(helper.make_node("Cast", [node.input[i]], [cast], to=TensorProto.FLOAT))
+                node.input[i] = cast
+            out = node.output[0]
+            node.output[0] = f"{out}_f32"
+            nodes += [node, helper.make_node("Cast", [node.output[0]], [out], to=TensorProto.FLOAT16)]
+        else:
+            nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     if turned == 0:
         raise ValueError(f"{path}: no {OP_DOMAIN}::{OP_TYPE} node; not a splitserve export")
     if not any(o.domain == onnx_plugin.CONTRIB_DOMAIN for o in model.opset_import):
