@@ -206,6 +206,13 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
+class OnnxConfig:
+    """The ONNX Runtime backend: the batchful part runs as an exported directory's graphs
+    (`splitserve export`), the batchless part in the engine's paged attention (worker/onnx_runner.py)."""
+    directory: str
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -216,6 +223,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     load: LoadConfig | None = None  # None only in tests that hand a built model to a runner
     lora: LoRAConfig | None = None  # None: LoRA off
+    onnx: OnnxConfig | None = None  # None: the torch model (else the ONNX Runtime backend)
     structured_outputs_fill: str = "process"  # one of STRUCTURED_OUTPUT_FILLS
     seed: int | None = None
     async_scheduling: bool | None = None  # None: on with CUDA

@@ -25,6 +25,7 @@ SLOW_FILES = (
     "executor/test_tp_one_row.py",                      # rank processes over gloo
     "structured_output/test_grammar_process.py",        # grammar processes, killed and restarted
     "startup/test_kernel_precompile.py", "startup/test_bytecode.py",  # compile in child processes
+    "export/test_export_tiny.py", "export/test_export_default.py", "export/test_export_llava.py",  # export + serve models
     "worker/test_warm_up.py", "worker/test_compiled_quant_layer.py", "worker/test_compiled_families.py",  # Inductor
 )
 

@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__",),                       # splitserve/__init__.py: LLM, SamplingParams
     ("entrypoints",),                    # CLI, OpenAI server
     ("bench",),
+    ("export",),                         # `splitserve export`: ONNX graphs of the batchful part
     ("metrics",),                        # the server's Prometheus metrics
     ("engine",),                         # LLM, LLMEngine, AsyncLLMEngine, front, core loop, EngineArgs
     ("executor",),                       # in-process runner or rank processes, multi-node launcher

@@ -36,6 +36,12 @@ def forward_context(ctx: ForwardContext):
         _context = prev
 
 
+def current_context() -> ForwardContext | None:
+    """The step's context (None outside a forward): for a runtime that calls back into the op's body
+    from outside torch (attention/onnx_plugin.py)."""
+    return _context
+
+
 def _attention(q, k, v, kv_cache, k_scale, v_scale, positions, cos_sin, num_heads, num_kv_heads, scale,
                sliding_window=0, soft_cap=0.0, pos_bias=None):
     """The body of the op splitserve::attention (registered with its schema and fake in kernels/ops.py):

@@ -13,6 +13,7 @@ from splitserve.config import (DATA_PARALLEL_BACKENDS, EXECUTOR_BACKENDS, KV_CAC
 # half and float are vLLM's (and torch's) other spellings of float16 and float32.
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 ATTENTION_BACKENDS = ("torch_ref", "triton")
+BACKENDS = ("auto", "torch", "onnxruntime")
 
 
 @dataclass
@@ -71,6 +72,11 @@ class EngineArgs(CliOptions):
         None, choices=ATTENTION_BACKENDS, default_text="triton on CUDA, torch_ref on CPU",
         help="attention kernels")
     enforce_eager: bool = option(False, help="no torch.compile and no CUDA graphs")
+    backend: str = option(
+        "auto", choices=BACKENDS,
+        help="what runs the batchful part: torch (splitserve's modules), or onnxruntime: the graphs of a "
+             "directory written by `splitserve export`, with attention in splitserve's paged KV cache; auto: "
+             "onnxruntime for an exported directory, else torch")
     random_weights: bool = option(False, help="random weights from the model's config (benchmarks)")
     async_scheduling: bool | None = option(
         None, default_text="on with CUDA",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
-                               ParallelConfig, SchedulerConfig)
+                               OnnxConfig, ParallelConfig, SchedulerConfig)
 
 
 def check_device(device: str) -> None:
@@ -30,6 +30,43 @@ def lora_config(args) -> LoRAConfig | None:
                       args.allow_runtime_lora or env, args.lora_allowed_dir)
 
 
+def onnx_config(args, source, device: str):
+    """The ONNX Runtime section (None: torch), checked: an exported directory, one rank, no LoRA, a
+    plain KV cache, and the dtype it was exported in (returned as the dtype to run in)."""
+    from splitserve.loading.onnx_export import is_export_dir, read_manifest
+    exported = source.gguf_file is None and is_export_dir(source.directory)
+    if args.backend == "torch" or (args.backend == "auto" and not exported):
+        if exported:
+            raise ValueError(f"{source.directory} is an ONNX export (splitserve_export.json): it runs on the "
+                             f"onnxruntime backend only")
+        return None, None
+    if not exported:
+        raise ValueError(f"--backend onnxruntime serves a directory written by `splitserve export`; {source.path} "
+                         f"is not one: run `splitserve export {args.model or ''} --output DIR` and serve DIR")
+    try:
+        import onnxruntime
+        import onnxruntime_extensions  # noqa: F401 (the plugin's Python ops)
+    except ImportError as e:
+        raise ValueError(f"--backend onnxruntime needs onnxruntime and onnxruntime-extensions ({e}); "
+                         f"pip install 'splitserve[onnx]'") from None
+    if device.startswith("cuda") and "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        raise ValueError("--backend onnxruntime on CUDA needs onnxruntime-gpu (CUDAExecutionProvider is not "
+                         "available); install it or use --device cpu")
+    manifest = read_manifest(source.directory)
+    problems = [what for what, bad in (
+        ("tensor/pipeline parallelism", args.tensor_parallel_size * args.pipeline_parallel_size * args.nnodes > 1),
+        ("--enable-lora", args.enable_lora), ("--kv-cache-dtype fp8", args.kv_cache_dtype != "auto"),
+        ("--quantization", args.quantization is not None)) if bad]
+    if problems:
+        raise ValueError(f"the onnxruntime backend does not support {', '.join(problems)}")
+    if args.dtype not in ("auto", manifest.dtype) and {"half": "float16", "float": "float32"}.get(args.dtype) != manifest.dtype:
+        raise ValueError(f"--dtype {args.dtype}: {source.directory} was exported in {manifest.dtype}")
+    if manifest.dtype not in ("float32", "float16"):
+        raise ValueError(f"{source.directory} was exported in {manifest.dtype}; ONNX Runtime serving takes "
+                         f"float32 or float16 exports")
+    return OnnxConfig(source.directory), manifest.dtype
+
+
 def build_engine_config(args) -> EngineConfig:
     """`args`: an engine.args.EngineArgs (called by its create_engine_config)."""
     import torch
@@ -51,7 +88,8 @@ def build_engine_config(args) -> EngineConfig:
         if args.num_frames < 1:
             raise ValueError(f"num_frames must be >= 1, got {args.num_frames}")
         hf_config.num_frames = args.num_frames
-    dtype = resolve_dtype(args.dtype, hf_config, device)
+    onnx, onnx_dtype = onnx_config(args, source, device)
+    dtype = resolve_dtype(onnx_dtype or args.dtype, hf_config, device)
     quant_config = resolve_quant_config(args.quantization, hf_config, None if source.gguf_file else source.directory)
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     if args.max_model_len is not None and args.max_model_len > context:
@@ -77,7 +115,7 @@ def build_engine_config(args) -> EngineConfig:
                                 data_parallel_size=args.data_parallel_size,
                                 data_parallel_backend=args.data_parallel_backend),
         load=LoadConfig(source, tokenizer_source, args.random_weights),
-        lora=lora_config(args),
+        lora=lora_config(args), onnx=onnx,
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),

@@ -1,4 +1,4 @@
-"""`splitserve serve | generate | chat | bench` — the console script (also `python -m splitserve`)."""
+"""`splitserve serve | generate | chat | bench | export` — the console script (also `python -m splitserve`)."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.bench import cli as bench_cli, throughput
     bench_cli.register(bench_sub)
     throughput.register(bench_sub)
+    from splitserve.export import cli as export_cli
+    export_cli.register(sub)
     return parser
 
 

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 class InProcessExecutor:
     def __init__(self, config: EngineConfig):
         device, m = config.device, config.model
-        compiles = device.startswith("cuda") and not config.compile.enforce_eager
+        # The ONNX Runtime backend compiles nothing of torch's and loads no torch weights.
+        compiles = device.startswith("cuda") and not config.compile.enforce_eager and config.onnx is None
         # The compiler stack's Python sources and the attention kernels compile in forked children
         # while the model is built; forked before any thread of ours starts.
         bytecode = start_bytecode_warmup() if compiles else None
@@ -35,16 +36,22 @@ class InProcessExecutor:
                 kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype))
         try:
             t0 = time.perf_counter()
-            _, model = load_model(config.load.source, m.hf_config, m.dtype, device, config.load.random_weights,
-                                  m.quant_config, m.max_model_len)
-            logger.info("model built in %.1f s", time.perf_counter() - t0)
             self.lora, lora_worker = None, None  # LoRAManager (the core's) / LoRAWorker with --enable-lora
+            if config.onnx is not None:  # an exported directory in ONNX Runtime (worker/onnx_runner.py)
+                from splitserve.worker.onnx_runner import OnnxModelRunner
+                self.runner = OnnxModelRunner(config)
+                model = self.runner.model  # the architecture without weights: the KV layout
+            else:
+                _, model = load_model(config.load.source, m.hf_config, m.dtype, device, config.load.random_weights,
+                                      m.quant_config, m.max_model_len)
+            logger.info("model built in %.1f s", time.perf_counter() - t0)
             if config.lora is not None:  # the two sides meet only through the step message's slot loads
                 from splitserve.lora.manager import build_manager
                 from splitserve.lora.worker import build_worker
                 self.lora = build_manager(config, pin_memory=next(model.parameters()).is_cuda)
                 lora_worker = build_worker(config, model)
-            self.runner = ModelRunner(config, model, lora_worker)
+            if config.onnx is None:
+                self.runner = ModelRunner(config, model, lora_worker)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)
             if bytecode is not None:

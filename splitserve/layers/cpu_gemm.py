@@ -19,7 +19,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (x.device.type != "cpu" or n < 2 * CPU_COLUMN_BLOCK or not CPU_BLOCKED_ROWS[0] <= rows <= CPU_BLOCKED_ROWS[1]
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or torch.compiler.is_exporting()):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     out = x2.new_empty(rows, n)
