@@ -26,7 +26,7 @@ SLOW_FILES = (
     "structured_output/test_grammar_process.py",        # grammar processes, killed and restarted
     "startup/test_kernel_precompile.py", "startup/test_bytecode.py",  # compile in child processes
     "worker/test_warm_up.py", "worker/test_compiled_quant_layer.py", "worker/test_compiled_families.py",  # Inductor
-    "router/test_router_policies.py", "router/test_router_pd.py",  # start router processes
+    "router/test_router_policies.py", "router/test_router_pd.py", "router/test_router_servers.py",  # routers, servers
 )
 
 
