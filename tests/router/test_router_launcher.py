@@ -15,12 +15,21 @@ def value_after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-@pytest.mark.parametrize("ours, theirs", [("cache_aware", "cache_aware"), ("least_load", "power_of_two"),
-                                          ("round_robin", "round_robin")])
+@pytest.mark.parametrize("ours, theirs", [("cache_aware", "cache_aware"), ("round_robin", "round_robin")])
 def test_policies_map_onto_vllm_routers(ours, theirs):
     argv = argv_for("--worker-urls", "http://a:1", "http://b:2", "--policy", ours)
-    assert value_after(argv, "--policy") == theirs
+    assert value_after(argv, "--policy") == theirs and "--cache-threshold" not in argv
     assert argv[argv.index("--worker-urls") + 1: argv.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
+
+
+def test_least_load_is_cache_aware_where_load_always_decides():
+    argv = argv_for("--worker-urls", "http://a:1", "http://b:2", "--policy", "least_load")
+    assert value_after(argv, "--policy") == "cache_aware"
+    assert value_after(argv, "--cache-threshold") == "1.0"           # no prefix match ever wins
+    assert value_after(argv, "--balance-abs-threshold") == "0"       # any load difference rebalances
+    assert value_after(argv, "--balance-rel-threshold") == "1.0"
+    # one worker: nothing to balance
+    assert value_after(argv_for("--worker-urls", "http://a:1", "--policy", "least_load"), "--policy") == "round_robin"
 
 
 def test_defaults_check_health_often_and_serve_metrics_on_their_own_port():

@@ -44,6 +44,7 @@ def test_round_robin_alternates(fake_workers, start_router):
 
 
 def test_least_load_avoids_the_worker_with_a_request_in_flight(fake_workers, start_router):
+    """Its own count of requests in flight decides, at once (no wait for a poll of /get_load)."""
     a, b = fake_workers("a"), fake_workers("b")
     router = start_router(["--worker-urls", a.url, b.url, "--policy", "least_load"], expect_healthy=2)
     a.hold.clear()
@@ -52,9 +53,6 @@ def test_least_load_avoids_the_worker_with_a_request_in_flight(fake_workers, sta
     wait_in_flight([a, b], 1)
     busy = a if a.in_flight else b
     idle = b if busy is a else a
-    # vllm-router adds the load it last polled from each worker's /get_load to its own in-flight count;
-    # once it has polled the busy one, the busy one is ahead whatever it read from the idle one
-    busy.wait_load_polled()
     assert {complete(router, f"quick {i}") for i in range(6)} == {idle.name}
     a.hold.set()
     b.hold.set()
@@ -132,3 +130,22 @@ def test_models_come_from_a_healthy_worker_and_metrics_count(fake_workers, start
     text = httpx.get(router.metrics_url, timeout=10).text
     assert metric_value(text, "vllm_router_requests_total", {"route": "/v1/completions"}) == 4
     assert metric_value(text, "vllm_router_processed_requests_total", {"worker": b.url}) == 4
+
+
+def test_least_load_spreads_concurrent_streams_evenly(fake_workers, start_router):
+    """Streams count as in flight until they end: six long streams split three and three."""
+    a, b = fake_workers("a", chunks=4, chunk_delay_s=0.5), fake_workers("b", chunks=4, chunk_delay_s=0.5)
+    router = start_router(["--worker-urls", a.url, b.url, "--policy", "least_load"], expect_healthy=2)
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=30,
+                          json={"model": "fake-model", "prompt": f"stream {i}", "stream": True}) as r:
+            for _ in r.iter_lines():
+                pass
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(30)
+    assert len(a.completions()) == 3 and len(b.completions()) == 3

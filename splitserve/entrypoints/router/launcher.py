@@ -20,10 +20,16 @@ import os
 import socket
 import sys
 
-# splitserve's policy names → vllm-router's. `least_load` is vllm-router's power-of-two choice: two
-# workers drawn at random, the one with fewer requests in flight through the router wins; with two
-# workers that is exactly the least-loaded one.
+# splitserve's policy names → vllm-router's. In plain mode `least_load` is vllm-router's cache_aware
+# with its thresholds set so that load always decides (LEAST_LOAD_FLAGS): its power_of_two, measured
+# (tests/router/), does not see the router's own streams in flight and follows the workers' /get_load,
+# polled every 5 s, so a burst lands on one worker. In prefill/decode mode those thresholds would also
+# switch off the prefill side's prefix affinity, so there decode's least_load is power_of_two (the API
+# server answers /get_load for it).
 POLICIES = {"cache_aware": "cache_aware", "least_load": "power_of_two", "round_robin": "round_robin"}
+# A prefix match never beats the threshold (rates are ≤ 1.0), and any difference in load is an imbalance:
+# every request goes to a worker with the fewest requests in flight through the router.
+LEAST_LOAD_FLAGS = ["--cache-threshold", "1.0", "--balance-abs-threshold", "0", "--balance-rel-threshold", "1.0"]
 ROUTER_MODULE = "vllm_router.launch_router"
 INSTALL_HINT = "`splitserve router` runs vLLM's router: pip install 'splitserve[router]' (the vllm-router package)"
 
@@ -118,7 +124,12 @@ def router_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
         for url in args.decode:
             argv += ["--decode", url]
     else:
-        argv += ["--policy", policy_for(args.policy, args.worker_urls), "--worker-urls", *args.worker_urls]
+        policy = policy_for(args.policy, args.worker_urls)
+        if policy == "power_of_two":
+            argv += ["--policy", "cache_aware", *LEAST_LOAD_FLAGS]
+        else:
+            argv += ["--policy", policy]
+        argv += ["--worker-urls", *args.worker_urls]
     return argv + extra
 
 
