@@ -162,7 +162,11 @@ class RouterProcess:
                "--metrics-port", str(self.metrics_port), "--health-check-interval-s", "1",
                "--health-failure-threshold", "1", "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait_healthy(expect_healthy)
+        try:
+            self.wait_healthy(expect_healthy)
+        except BaseException:
+            self.stop()  # the caller never gets this object to stop: do not leave the router running
+            raise
 
     def log_tail(self, n: int = 30) -> str:
         self.log.flush()
@@ -196,8 +200,9 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+        if not self.log.closed:
+            self.log.close()
+            os.unlink(self.log.name)
 
 
 @pytest.fixture
