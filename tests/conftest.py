@@ -27,6 +27,7 @@ SLOW_FILES = (
     "startup/test_kernel_precompile.py", "startup/test_bytecode.py",  # compile in child processes
     "export/test_export_tiny.py", "export/test_export_default.py", "export/test_export_llava.py",  # export + serve models
     "worker/test_warm_up.py", "worker/test_compiled_quant_layer.py", "worker/test_compiled_families.py",  # Inductor
+    "router/test_router_policies.py", "router/test_router_pd.py", "router/test_router_servers.py",  # routers, servers
 )
 
 

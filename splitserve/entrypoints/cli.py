@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt (default: none)")
     chat.set_defaults(func=cmd_chat)
 
+    # Listed for --help only: main() hands `splitserve router ...` to the router's own parser, whose
+    # unknown flags go on to vllm-router.
+    sub.add_parser("router", add_help=False,
+                   help="one endpoint in front of many servers (vLLM's router; `splitserve router --help`)")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from splitserve.bench import cli as bench_cli, throughput
@@ -97,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     # httpx logs every request at INFO (the bench client sends thousands).
     logging.getLogger("httpx").setLevel(logging.WARNING)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["router"]:  # a pure HTTP process: none of the engine's flags, no vLLM-flag check
+        from splitserve.entrypoints.router.launcher import main as router_main
+        return router_main(argv[1:])
     parser = build_parser()
     from splitserve.engine.vllm_flags import find_unsupported, leaf_parser, message
     unsupported = find_unsupported(parser, argv)

@@ -32,7 +32,7 @@ def srv(tiny_model_dir):
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
               ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/version"), ("GET", "/"), ("GET", "/v1/models/{model_id}"), ("GET", "/ping"),
-              ("POST", "/ping"), ("GET", "/load"), ("POST", "/v1/load_lora_adapter"),
+              ("POST", "/ping"), ("GET", "/load"), ("GET", "/get_load"), ("POST", "/v1/load_lora_adapter"),
               ("POST", "/v1/unload_lora_adapter")]
 # Negative cases (schema violations) exist only where there is a body to break.
 CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + \

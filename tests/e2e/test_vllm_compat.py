@@ -159,6 +159,7 @@ def test_probe_and_browser_endpoints(srv):
     assert httpx.get(srv.url + "/ping").status_code == 200
     assert httpx.post(srv.url + "/ping").status_code == 200
     assert httpx.get(srv.url + "/load").json() == {"server_load": 0}
+    assert httpx.get(srv.url + "/get_load").json() == {"load": 0}  # SGLang's shape, polled by vllm-router
     assert httpx.get(srv.url + "/favicon.ico").status_code == 204
     docs = httpx.get(srv.url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()

@@ -263,6 +263,12 @@ def build_app(engine, args: argparse.Namespace | None = None) -> FastAPI:
         """vLLM's load report: the requests in flight (a router's least-loaded choice)."""
         return {"server_load": async_engine.num_in_flight}
 
+    @app.get("/get_load")
+    async def get_load() -> dict:
+        """SGLang's load report, which vllm-router polls (every few seconds) for its least-load choices;
+        without it, a prefill/decode router sees every decode server at load 0 (DESIGN.md, "Router")."""
+        return {"load": async_engine.num_in_flight}
+
     @app.get("/favicon.ico", include_in_schema=False)
     async def favicon() -> Response:
         return Response(status_code=204)  # browsers ask for it with every page; nothing to show
