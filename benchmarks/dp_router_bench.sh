@@ -10,11 +10,11 @@
 set -u
 out=${OUT:-.}; rate=${RATE:-16}; n=${NUM:-200}; seed0=${SEED:-7100}
 cfg=${CFG:-benchmarks/configs/llama3-8b}
-serve() {  # port, log, extra args...
+serve() {  # port, log, extra args...; sets PID
   local port=$1 log=$2; shift 2
   python -m splitserve serve $cfg --random-weights --dtype bfloat16 --max-model-len 4096 --port $port \
-      --disable-access-log "$@" >"$out/$log" 2>&1 &
-  echo $!
+      --disable-access-log ${SERVER_ARGS:-} "$@" >"$out/$log" 2>&1 &
+  PID=$!
 }
 wait_up() {
   for _ in $(seq 400); do curl -sf http://127.0.0.1:$1/health >/dev/null && return 0; sleep 1; done
@@ -27,21 +27,26 @@ bench() {  # port, rate, seed, name
 }
 half=$((n / 2)); hrate=$(python -c "print($rate / 2)")
 
-pid=$(serve 8011 one.log); wait_up 8011 || exit 1
+if [ "${ONLY:-}" != router ]; then
+serve 8011 one.log; wait_up 8011 || exit 1
 for s in 1 2; do bench 8011 $rate $((seed0 + s)) one_$s $n; done
-kill -TERM $pid; wait $pid
+kill -TERM $PID; wait $PID
 
-pid=$(serve 8011 dp2.log --data-parallel-size 2 --gpu-memory-utilization 0.45); wait_up 8011 || exit 1
+serve 8011 dp2.log --data-parallel-size 2 --gpu-memory-utilization 0.45; wait_up 8011 || exit 1
 grep -E "KV cache|ready" "$out/dp2.log" | head -6
 for s in 1 2; do bench 8011 $rate $((seed0 + s)) dp2_$s $n; done
-kill -TERM $pid; wait $pid
+kill -TERM $PID; wait $PID
+fi
 
-a=$(serve 8011 a.log --gpu-memory-utilization 0.45); wait_up 8011 || exit 1
-b=$(serve 8012 b.log --gpu-memory-utilization 0.45); wait_up 8012 || exit 1
-python -m splitserve router --worker-urls http://127.0.0.1:8011 http://127.0.0.1:8012 --policy round_robin \
+serve 8011 a.log --gpu-memory-utilization 0.45; a=$PID
+serve 8012 b.log --gpu-memory-utilization 0.45; b=$PID
+wait_up 8011 || exit 1; wait_up 8012 || exit 1
+python -m splitserve router --worker-urls http://127.0.0.1:8011 http://127.0.0.1:8012 --policy ${POLICY:-round_robin} \
     --port 8020 --metrics-port 8021 >"$out/router.log" 2>&1 &
 router=$!
-for _ in $(seq 60); do curl -sf http://127.0.0.1:8020/v1/models >/dev/null && break; sleep 1; done
+up=0
+for _ in $(seq 60); do curl -sf http://127.0.0.1:8020/health >/dev/null && { up=1; break; }; sleep 1; done
+[ $up = 1 ] || { echo "the router did not come up:"; tail -20 "$out/router.log"; }
 for s in 1 2; do
   bench 8011 $hrate $((seed0 + 10 + s)) directA_$s $half & bench 8012 $hrate $((seed0 + 20 + s)) directB_$s $half; wait
   bench 8020 $rate $((seed0 + s)) router_$s $n
