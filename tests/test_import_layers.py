@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loading",),                        # HF dirs, GGUF, .nemo, safetensors
     ("multimodal",),                     # media decoding, processors
     ("lora",),
+    ("kv_transfer",),                    # KV connectors: other engines' blocks, host-memory tier
     ("attention",),
     ("layers",),
     ("kernels",),

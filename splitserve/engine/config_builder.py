@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
-                               ParallelConfig, SchedulerConfig)
+                               ParallelConfig, SchedulerConfig, parse_kv_transfer_config)
 
 
 def check_device(device: str) -> None:
@@ -28,6 +28,18 @@ def lora_config(args) -> LoRAConfig | None:
     env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
                       args.allow_runtime_lora or env, args.lora_allowed_dir)
+
+
+def kv_transfer_config(args, world_size: int):
+    """The KV-transfer section (None without a connector), checked against what runs it."""
+    kv = parse_kv_transfer_config(args.kv_transfer_config, args.kv_offload_gb)
+    if kv is not None and world_size > 1:
+        raise ValueError(f"--kv-transfer-config / --kv-offload-gb need one rank for now (tensor x pipeline "
+                         f"parallel = {world_size}); run each role with -tp 1")
+    if kv is not None and kv.kv_connector == "NixlConnector":
+        from splitserve.kv_transfer.registry import check_available
+        check_available(kv.kv_connector)
+    return kv
 
 
 def build_engine_config(args) -> EngineConfig:
@@ -73,6 +85,7 @@ def build_engine_config(args) -> EngineConfig:
                                 args.master_addr, args.master_port, args.distributed_timeout_s, args.step_timeout_s),
         load=LoadConfig(source, tokenizer_source, args.random_weights),
         lora=lora_config(args),
+        kv_transfer=kv_transfer_config(args, args.world_size),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),

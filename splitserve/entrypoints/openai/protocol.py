@@ -126,6 +126,11 @@ class _SamplingRequest(_Request):
     # vLLM's extensions: lower runs first (--scheduling-policy priority); keep the last k prompt
     # tokens; per prompt token its logprob and the top k (not with stream).
     priority: int = Field(default=0, ge=-_INT64, lt=_INT64)
+    # vLLM's prefill/decode protocol: {"do_remote_decode": true} asks a KV producer to hold the
+    # prompt's blocks (its response carries the params a decode engine needs); {"do_remote_prefill":
+    # true, "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"}
+    # asks a KV consumer to load them instead of prefilling.
+    kv_transfer_params: dict | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     prompt_logprobs: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     # Structured outputs (see the module's docstring).
@@ -226,7 +231,8 @@ class _SamplingRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self._structured_outputs())
+                truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self._structured_outputs(),
+                extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
         except SamplingParamsError as e:  # every check of SamplingParams names its field
             raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:  # not expected: a 400 that names no field rather than a 500
@@ -406,6 +412,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict | None = None  # a KV producer's answer for the decode engine (vLLM's)
 
 
 class CompletionStreamResponse(BaseModel):
@@ -491,6 +498,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the whole request
+    kv_transfer_params: dict | None = None  # a KV producer's answer for the decode engine (vLLM's)
 
 
 class DeltaMessage(BaseModel):
