@@ -230,7 +230,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting.popleft()
         self.receiving[request.request_id] = request
-        self.connector.load_async(request.request_id, params, list(request.block_ids), len(hits))
+        self.connector.load_async(request.request_id, params, list(request.block_ids), len(hits),
+                                  request.num_prompt_tokens)
         return True
 
     def poll_connector(self) -> None:

@@ -3,8 +3,8 @@
 Scheduler side (the engine core calls these on its own thread, with plain data):
 - `lookup(request_id, params, num_prompt_tokens, num_local_blocks)`: how many of the request's prompt
   blocks, after the `num_local_blocks` it found in its own prefix cache, exist remotely (0: none).
-- `load_async(request_id, params, block_ids, first_block)`: starts bringing those blocks into the
-  request's local blocks `block_ids[first_block:]`; the request waits in the receiving state
+- `load_async(request_id, params, block_ids, first_block, num_prompt_tokens)`: starts bringing those
+  blocks into the request's local blocks `block_ids[first_block:]`; the request waits in the receiving state
   (WAITING_FOR_REMOTE_KVS) and blocks no one.
 - `poll()`: which loads finished (ok or failed, with why) and which held requests' blocks may be
   freed (the reader acknowledged, or the lease ran out). Finished loads land in the pool here, on
@@ -71,7 +71,8 @@ class KVConnector:
     def lookup(self, request_id: str, params: dict | None, num_prompt_tokens: int, num_local_blocks: int) -> int:
         return 0
 
-    def load_async(self, request_id: str, params: dict, block_ids: list[int], first_block: int) -> None:
+    def load_async(self, request_id: str, params: dict, block_ids: list[int], first_block: int,
+                   num_prompt_tokens: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} loads nothing from remote engines")
 
     def poll(self) -> tuple[list[LoadDone], list[str]]:

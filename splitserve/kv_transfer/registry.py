@@ -13,9 +13,12 @@ _CONNECTORS = {
 
 def check_available(name: str) -> None:
     """Raises ValueError at start-up when the connector's own dependency is missing."""
-    if name == "NixlConnector" and importlib.util.find_spec("nixl") is None:
-        raise ValueError("NixlConnector needs the nixl package (pip install nixl; UCX underneath); "
-                         "on CPU-only machines use TcpConnector")
+    if name == "NixlConnector":
+        if importlib.util.find_spec("nixl") is None:
+            raise ValueError("NixlConnector needs the nixl package (pip install nixl; UCX underneath); "
+                             "on CPU-only machines use TcpConnector")
+        from splitserve.kv_transfer.nixl import NOT_READY
+        raise ValueError(NOT_READY)
 
 
 def build_connector(config, pool):

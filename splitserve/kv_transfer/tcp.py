@@ -145,11 +145,11 @@ class TcpConnector(KVConnector):
         remote = params.get("remote_block_ids") or []
         return max(0, min(len(remote), needed) - num_local_blocks)
 
-    def load_async(self, request_id, params, block_ids, first_block):
+    def load_async(self, request_id, params, block_ids, first_block, num_prompt_tokens):
         remote = list(params.get("remote_block_ids") or [])
         count = min(len(remote), len(block_ids))
         bs = self.pool.layout.block_size
-        self._loads[request_id] = (list(block_ids[first_block:count]), first_block, count * bs)
+        self._loads[request_id] = (list(block_ids[first_block:count]), first_block, min(count * bs, num_prompt_tokens))
         self._readers.submit(self._read, request_id, dict(params), remote[first_block:count])
 
     def cancel(self, request_id):

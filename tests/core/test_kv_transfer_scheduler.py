@@ -27,7 +27,7 @@ class ScriptedConnector(KVConnector):
     def lookup(self, rid, params, num_prompt_tokens, num_local_blocks):
         return -(-num_prompt_tokens // BS) - num_local_blocks
 
-    def load_async(self, rid, params, block_ids, first_block):
+    def load_async(self, rid, params, block_ids, first_block, num_prompt_tokens):
         self.loads[rid] = (list(block_ids), first_block)
 
     def poll(self):

@@ -52,9 +52,9 @@ def test_blocks_move_bytes_exact_and_ack_releases(pair):
     assert params["remote_block_ids"] == [5, 9, 3] and params["remote_port"] == prod.port  # prompt blocks only
     assert params["do_remote_prefill"] is True and params["remote_request_id"] == "p1"
     assert cons.lookup("d1", params, 10, 1) == 2           # one block was a local prefix hit
-    cons.load_async("d1", params, [0, 11, 12], first_block=1)
+    cons.load_async("d1", params, [0, 11, 12], first_block=1, num_prompt_tokens=10)
     [done], _ = wait_loads(cons)
-    assert done.ok and done.num_tokens == 12
+    assert done.ok and done.num_tokens == 10
     assert torch.equal(blocks_of(cons.pool, [11, 12]), blocks_of(prod.pool, [9, 3]))
     assert not torch.equal(blocks_of(cons.pool, [0]), blocks_of(prod.pool, [5]))  # the hit was not overwritten
     deadline = time.monotonic() + 5
@@ -63,7 +63,7 @@ def test_blocks_move_bytes_exact_and_ack_releases(pair):
         released = prod.poll()[1]
         time.sleep(0.01)
     assert released == ["p1"] and not prod.busy
-    assert cons.stats.recv_tokens == 8 and cons.stats.recv_bytes == prod.stats.sent_bytes > 0
+    assert cons.stats.recv_tokens == 6 and cons.stats.recv_bytes == prod.stats.sent_bytes > 0
 
 
 def test_unreachable_producer_fails_within_the_timeout(pair):
@@ -71,7 +71,7 @@ def test_unreachable_producer_fails_within_the_timeout(pair):
     params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_block_ids": [0],
               "remote_request_id": "x", "remote_engine_id": "gone"}
     t = time.monotonic()
-    cons.load_async("d", params, [4], 0)
+    cons.load_async("d", params, [4], 0, 3)
     [done], _ = wait_loads(cons, timeout=10)
     assert not done.ok and done.recoverable and "did not answer" in done.error
     assert time.monotonic() - t < 5 and cons.stats.failed == 1
@@ -82,7 +82,7 @@ def test_layout_mismatch_is_refused_at_the_handshake():
     cons = TcpConnector(KVTransferConfig("TcpConnector", "kv_consumer"), pool(dtype=torch.bfloat16))
     try:
         params = prod.save("p", {"do_remote_decode": True}, [1], 5)
-        cons.load_async("d", params, [2, 3], 0)
+        cons.load_async("d", params, [2, 3], 0, 5)
         [done], _ = wait_loads(cons)
         assert not done.ok and not done.recoverable
         assert "block_size: local 4, remote 8" in done.error and "dtype: local 'bfloat16'" in done.error
@@ -148,3 +148,16 @@ def test_offloaded_prefix_comes_back_from_host_memory_exactly():
     assert torch.equal(blocks_of(p, again.block_ids[:3]), original)
     kv.free(again)
     assert kv.pool.is_whole()
+
+
+def test_start_up_refuses_what_cannot_run():
+    from types import SimpleNamespace
+
+    from splitserve.engine.config_builder import kv_transfer_config
+    tcp = '{"kv_connector": "TcpConnector", "kv_role": "kv_both"}'
+    with pytest.raises(ValueError, match="need one rank for now"):
+        kv_transfer_config(SimpleNamespace(kv_transfer_config=tcp, kv_offload_gb=None), world_size=2)
+    with pytest.raises(ValueError, match="NixlConnector"):
+        kv_transfer_config(SimpleNamespace(kv_transfer_config='{"kv_connector": "NixlConnector", '
+                                                              '"kv_role": "kv_consumer"}', kv_offload_gb=None), 1)
+    assert kv_transfer_config(SimpleNamespace(kv_transfer_config=None, kv_offload_gb=None), 1) is None
