@@ -200,17 +200,21 @@ class TcpConnector(KVConnector):
                 header, raw = self._ask(sock, {"op": "read", "request_id": rid, "block_ids": remote_blocks},
                                         f"the read of request {rid!r}", host, port)
                 result = _tensor_from(header, raw.buffer)
-            sock.send(_enc.encode({"op": "done", "request_id": rid}))  # the acknowledgement; no answer awaited
-            sock.poll(50)
         except LoadError as e:
             result = e
         except Exception as e:  # a bug or a broken frame: a failed load, not a dead thread
             result = LoadError(f"KV load failed: {type(e).__name__}: {e}")
+        with self._lock:  # the request may go on now; the acknowledgement follows off its path
+            self._finished.append((request_id, result, time.monotonic() - start))
+        try:
+            if not isinstance(result, LoadError):
+                # Waits for the answer: closing a socket (LINGER 0) drops what it has not sent yet.
+                self._ask(sock, {"op": "done", "request_id": rid}, "the acknowledgement", host, port)
+        except LoadError as e:  # the producer frees the blocks at lease end instead
+            logger.warning("KV consumer: %s", e)
         finally:
             if sock is not None:
                 sock.close()
-        with self._lock:
-            self._finished.append((request_id, result, time.monotonic() - start))
 
     # -- both ----------------------------------------------------------------------------------
     def poll(self):

@@ -66,15 +66,19 @@ def test_blocks_move_bytes_exact_and_ack_releases(pair):
     assert cons.stats.recv_tokens == 6 and cons.stats.recv_bytes == prod.stats.sent_bytes > 0
 
 
-def test_unreachable_producer_fails_within_the_timeout(pair):
-    _, cons = pair
+def test_unreachable_producer_fails_within_the_timeout():
+    cons = TcpConnector(KVTransferConfig("TcpConnector", "kv_consumer", kv_load_timeout=0.5), pool())
     params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_block_ids": [0],
               "remote_request_id": "x", "remote_engine_id": "gone"}
     t = time.monotonic()
-    cons.load_async("d", params, [4], 0, 3)
-    [done], _ = wait_loads(cons, timeout=10)
-    assert not done.ok and done.recoverable and "did not answer" in done.error
-    assert time.monotonic() - t < 5 and cons.stats.failed == 1
+    try:
+        cons.load_async("d", params, [4], 0, 3)
+        [done], _ = wait_loads(cons, timeout=10)
+        assert not done.ok and done.recoverable and "did not answer" in done.error
+        assert time.monotonic() - t < 5 and cons.stats.failed == 1
+        assert not cons.busy
+    finally:
+        cons.shutdown()
 
 
 def test_layout_mismatch_is_refused_at_the_handshake():

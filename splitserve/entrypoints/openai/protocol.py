@@ -216,6 +216,8 @@ class _SamplingRequest(_Request):
 
         # What the request leaves unset comes from the model's generation config (when the server
         # has one), then from SamplingParams' own defaults.
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise APIError(400, "kv_transfer_params (prefill/decode disaggregation) need n=1", param="kv_transfer_params")
         given = apply_defaults(defaults or {}, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens)
         try:
