@@ -76,6 +76,20 @@ def _structured_manager(config: EngineConfig):
     return manager
 
 
+def _kv_pool(config: EngineConfig, executor):
+    """What the KV connector reads and writes: the pool's tensors in this process, or (rank processes,
+    which serve their blocks themselves) its layout only."""
+    from splitserve.kv_transfer.pool import KVLayout, KVPool, LayoutOnly
+    tp = config.parallel.tensor_parallel_size
+    if executor.kv_caches is not None:
+        return KVPool(executor.kv_caches)
+    from splitserve.kv_transfer.pool import rank_heads
+    m = config.model
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype)
+    return LayoutOnly(KVLayout(m.num_layers, len(rank_heads(m.num_kv_heads, tp, 0)), m.head_dim,
+                               config.cache.block_size, str(dtype).removeprefix("torch."), tp, m.num_kv_heads))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         """`executor` runs the model (executor/: in this process, or one worker process per rank) and
@@ -89,9 +103,8 @@ class EngineCore:
         # The KV connector (kv_transfer/): another engine's blocks in, ours out, or a host-memory tier.
         self.kv_connector = None
         if config.kv_transfer is not None:
-            from splitserve.kv_transfer.pool import KVPool
             from splitserve.kv_transfer.registry import build_connector
-            self.kv_connector = build_connector(config.kv_transfer, KVPool(executor.kv_caches))
+            self.kv_connector = build_connector(config.kv_transfer, _kv_pool(config, executor))
         self.kv_manager = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                          sliding_window=executor.kv_free_window,
                                          host_tier=getattr(self.kv_connector, "host_tier", None))

@@ -33,9 +33,12 @@ def lora_config(args) -> LoRAConfig | None:
 def kv_transfer_config(args, world_size: int):
     """The KV-transfer section (None without a connector), checked against what runs it."""
     kv = parse_kv_transfer_config(args.kv_transfer_config, args.kv_offload_gb)
-    if kv is not None and world_size > 1:
-        raise ValueError(f"--kv-transfer-config / --kv-offload-gb need one rank for now (tensor x pipeline "
-                         f"parallel = {world_size}); run each role with -tp 1")
+    if kv is not None and world_size > 1 and not (
+            kv.kv_connector == "TcpConnector" and kv.kv_role == "kv_producer" and args.pipeline_parallel_size == 1
+            and args.nnodes == 1 and kv.kv_port):
+        raise ValueError(f"--kv-transfer-config / --kv-offload-gb with several ranks (tensor x pipeline parallel = "
+                         f"{world_size}) work only for a TcpConnector kv_producer with tensor parallelism on one "
+                         f"host and a fixed kv_port (its ranks serve on kv_port + 1 + rank); run other roles with -tp 1")
     if kv is not None and kv.kv_connector == "NixlConnector":
         from splitserve.kv_transfer.registry import check_available
         check_available(kv.kv_connector)

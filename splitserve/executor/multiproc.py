@@ -153,7 +153,7 @@ class MultiprocExecutor:
             raise ValueError(f"node_rank {par.node_rank}: the engine runs on node 0; on the other nodes "
                              f"`splitserve serve --node-rank {par.node_rank} ...` starts their ranks only")
         check_devices(par, config.device)
-        self.kv_caches = None  # the KV pool lives in the rank processes (no KV connector yet)
+        self.kv_caches = None  # the KV pool lives in the rank processes (a producer's ranks serve it: kv_transfer/tcp.py)
         self.lora = None  # LoRA: the core's manager here; each rank attaches its own slots (rank_worker.py)
         if config.lora is not None:
             from splitserve.lora.manager import build_manager

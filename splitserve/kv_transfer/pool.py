@@ -21,18 +21,70 @@ class KVLayout:
     dtype: str  # torch dtype name, e.g. "float32", "bfloat16", "float8_e4m3fn"
     tp_size: int = 1
 
+    total_kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, one rank)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
     def mismatch(self, remote: "KVLayout") -> str | None:
-        """Why the remote's blocks cannot be read into this pool, or None when they can."""
-        diffs = [f"{k}: local {v!r}, remote {getattr(remote, k)!r}" for k, v in asdict(self).items()
-                 if k != "tp_size" and v != getattr(remote, k)]
+        """Why the remote's blocks cannot be read into this pool, or None when they can. Another
+        tensor-parallel size is fine for a one-rank reader: it reads each head from the remote rank
+        that holds it (`head_sources`)."""
+        keys = ["num_layers", "head_dim", "block_size", "dtype"]
+        keys += ["num_kv_heads"] if self.tp_size == remote.tp_size else []
+        diffs = [f"{k}: local {getattr(self, k)!r}, remote {getattr(remote, k)!r}" for k in keys
+                 if getattr(self, k) != getattr(remote, k)]
         if self.tp_size != remote.tp_size:
-            diffs.append(f"tp_size: local {self.tp_size}, remote {remote.tp_size} (head mapping across tensor-"
-                         f"parallel layouts is not implemented yet)")
+            if self.tp_size != 1:
+                diffs.append(f"tp_size: local {self.tp_size}, remote {remote.tp_size} (a reader of another "
+                             f"tensor-parallel size must run on one rank)")
+            elif self.model_kv_heads != remote.model_kv_heads:
+                diffs.append(f"KV heads: local {self.model_kv_heads}, remote {remote.model_kv_heads}")
         return "; ".join(diffs) or None
 
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def rank_heads(total_kv_heads: int, tp_size: int, rank: int) -> list[int]:
+    """The model's KV heads a tensor-parallel rank holds, in its cache's order (layers/parallel_linear.py:
+    a contiguous share, or one replicated head when there are fewer heads than ranks)."""
+    from splitserve.layers.parallel_linear import local_heads
+    _, n, index = local_heads(tp_size * total_kv_heads, total_kv_heads, rank, tp_size)  # (query heads: any multiple)
+    return list(range(index * n, (index + 1) * n)) if total_kv_heads >= tp_size else [index]
+
+
+def head_sources(total_kv_heads: int, tp_size: int) -> list[tuple[int, int]]:
+    """For each of the model's KV heads: (remote rank, its index in that rank's cache), the first rank
+    holding it."""
+    where: dict[int, tuple[int, int]] = {}
+    for rank in range(tp_size):
+        for i, head in enumerate(rank_heads(total_kv_heads, tp_size, rank)):
+            where.setdefault(head, (rank, i))
+    return [where[h] for h in range(total_kv_heads)]
+
+
+def gather_heads(parts: list, total_kv_heads: int) -> "torch.Tensor":
+    """Blocks read from every rank of a tensor-parallel producer (`[n, layers, 2, bs, its heads, dim]`
+    each, by rank) -> the same blocks with all the model's heads, as a one-rank pool holds them."""
+    sources = head_sources(total_kv_heads, len(parts))
+    return torch.stack([parts[r][:, :, :, :, i] for r, i in sources], dim=4)
+
+
+class LayoutOnly:
+    """The engine core's view of a pool that lives in rank processes: its layout, no data (a
+    tensor-parallel producer's ranks serve their blocks themselves: tcp.BlockServer)."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+
+    def read(self, block_ids):
+        raise RuntimeError("this engine's KV blocks live in its rank processes")
+
+    def write(self, block_ids, data):
+        raise RuntimeError("this engine's KV blocks live in its rank processes")
 
 
 class KVPool:

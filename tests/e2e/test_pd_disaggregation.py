@@ -182,3 +182,31 @@ def test_offloading_multi_turn_chat_hits_host_memory_with_the_same_text(servers)
     assert converse(small) == converse(big)
     assert _metric(small, "splitserve:kv_transfer_offload_saved_blocks_total") > 0
     assert _metric(small, "splitserve:kv_transfer_offload_hit_tokens_total") - hits0 >= 3 * 16
+
+
+def test_tensor_parallel_prefill_to_one_rank_decode(tiny_model_dir):
+    """Prefill on two ranks (gloo), decode on one, the tiny model (2 KV heads: one per prefill rank):
+    the decode instance reads each rank's heads and answers as it does alone."""
+    from reliability_support import TINY_ARGS
+    kv_port = free_port()
+    prefill = ServerProcess([tiny_model_dir, *TINY_ARGS, "-tp", "2", "--cpu-kv-cache-gib", "0.05",
+                             *_tcp("kv_producer", kv_port=kv_port)])
+    decode = ServerProcess([tiny_model_dir, *TINY_ARGS, "--cpu-kv-cache-gib", "0.05", *_tcp("kv_consumer")])
+    try:
+        prefill.wait_healthy(timeout=600)
+        decode.wait_healthy()
+        for prompt in ("Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            reference = _text(_complete(decode, body))                 # colocated, one rank
+            params = _prefill(prefill, body)["kv_transfer_params"]
+            assert params["tp_size"] == 2
+            assert _text(_complete(decode, dict(body, kv_transfer_params=params))) == reference
+        tiny = {"model_name": "tiny"}
+        text = httpx.get(decode.url + "/metrics", timeout=10).text
+        assert metric_value(text, "splitserve:kv_transfer_failed_total", tiny) == 0
+        assert metric_value(text, "splitserve:kv_transfer_received_tokens_total", tiny) > 0
+        assert _eventually(lambda: metric_value(httpx.get(prefill.url + "/metrics", timeout=10).text,
+                                                "splitserve:kv_transfer_held_requests", tiny) == 0, timeout=10)
+    finally:
+        prefill.stop()
+        decode.stop()

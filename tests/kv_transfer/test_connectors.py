@@ -37,6 +37,15 @@ def wait_loads(conn, n=1, timeout=10.0):
     return done, released
 
 
+def wait_until(check, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 @pytest.fixture
 def pair():
     prod = TcpConnector(KVTransferConfig("TcpConnector", "kv_producer", kv_port=0, kv_lease_duration=30), pool(seed=1))
@@ -57,12 +66,9 @@ def test_blocks_move_bytes_exact_and_ack_releases(pair):
     assert done.ok and done.num_tokens == 10
     assert torch.equal(blocks_of(cons.pool, [11, 12]), blocks_of(prod.pool, [9, 3]))
     assert not torch.equal(blocks_of(cons.pool, [0]), blocks_of(prod.pool, [5]))  # the hit was not overwritten
-    deadline = time.monotonic() + 5
-    released = []
-    while not released and time.monotonic() < deadline:
-        released = prod.poll()[1]
-        time.sleep(0.01)
-    assert released == ["p1"] and not prod.busy
+    assert wait_until(lambda: not prod._held)  # acknowledged ...
+    assert prod.busy                             # ... but busy until the core has taken that in
+    assert prod.poll()[1] == ["p1"] and not prod.busy
     assert cons.stats.recv_tokens == 6 and cons.stats.recv_bytes == prod.stats.sent_bytes > 0
 
 
@@ -159,9 +165,51 @@ def test_start_up_refuses_what_cannot_run():
 
     from splitserve.engine.config_builder import kv_transfer_config
     tcp = '{"kv_connector": "TcpConnector", "kv_role": "kv_both"}'
-    with pytest.raises(ValueError, match="need one rank for now"):
+    with pytest.raises(ValueError, match="work only for a TcpConnector kv_producer"):
         kv_transfer_config(SimpleNamespace(kv_transfer_config=tcp, kv_offload_gb=None), world_size=2)
     with pytest.raises(ValueError, match="NixlConnector"):
         kv_transfer_config(SimpleNamespace(kv_transfer_config='{"kv_connector": "NixlConnector", '
                                                               '"kv_role": "kv_consumer"}', kv_offload_gb=None), 1)
     assert kv_transfer_config(SimpleNamespace(kv_transfer_config=None, kv_offload_gb=None), 1) is None
+
+
+@pytest.mark.parametrize("total_heads", [4, 1])  # split over the ranks, or one head replicated on both
+def test_tensor_parallel_producer_to_one_rank_reader_maps_heads(total_heads):
+    """A TP=2 producer (its core's side channel + one BlockServer per rank, each with its heads)
+    read by a one-rank consumer: the blocks arrive with every head where a one-rank pool holds it."""
+    import socket
+
+    from splitserve.kv_transfer.pool import KVLayout, LayoutOnly, rank_heads
+    from splitserve.kv_transfer.tcp import BlockServer
+    with socket.socket() as s:  # a free port; the ranks take the next two (kv_port + 1 + rank)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    full = pool(heads=total_heads, seed=3)
+    ranks = [KVPool([c[:, :, :, rank_heads(total_heads, 2, r)].contiguous() for c in full.caches]) for r in range(2)]
+    layout = KVLayout(2, ranks[0].layout.num_kv_heads, 8, BS, "float32", tp_size=2, total_kv_heads=total_heads)
+    prod = TcpConnector(KVTransferConfig("TcpConnector", "kv_producer", kv_port=port), LayoutOnly(layout))
+    servers = [BlockServer(ranks[r], "127.0.0.1", port + 1 + r) for r in range(2)]
+    cons = TcpConnector(KVTransferConfig("TcpConnector", "kv_consumer"), pool(heads=total_heads, seed=4))
+    try:
+        params = prod.save("p", {"do_remote_decode": True}, [6, 2, 9], 12)
+        assert params["tp_size"] == 2
+        cons.load_async("d", params, [1, 3, 5], 0, 12)
+        [done], _ = wait_loads(cons)
+        assert done.ok, done.error
+        assert torch.equal(blocks_of(cons.pool, [1, 3, 5]), blocks_of(full, [6, 2, 9]))
+        assert wait_until(lambda: prod.poll()[1] == ["p"])
+        assert prod.stats.sent_tokens == 12 and prod.stats.sent_bytes == cons.stats.recv_bytes
+    finally:
+        for x in (prod, cons, *servers):
+            x.shutdown()
+
+
+def test_layout_rules_for_other_tensor_parallel_sizes():
+    from splitserve.kv_transfer.pool import KVLayout, head_sources
+    one = KVLayout(2, 4, 8, 16, "float32")
+    assert one.mismatch(KVLayout(2, 2, 8, 16, "float32", tp_size=2, total_kv_heads=4)) is None
+    assert "KV heads: local 4, remote 8" in one.mismatch(KVLayout(2, 4, 8, 16, "float32", 2, 8))
+    assert "must run on one rank" in KVLayout(2, 2, 8, 16, "float32", 2, 4).mismatch(KVLayout(2, 1, 8, 16, "float32", 4, 4))
+    assert "num_kv_heads: local 4, remote 2" in one.mismatch(KVLayout(2, 2, 8, 16, "float32"))
+    assert head_sources(4, 2) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert head_sources(2, 4) == [(0, 0), (2, 0)]      # replicated: the first rank holding each head
