@@ -196,6 +196,96 @@ class LoRAConfig:
 
 STRUCTURED_OUTPUT_FILLS = ("process", "inline")
 
+# KV transfer (kv_transfer/): connectors by vLLM's names, the roles and load-failure policies it spells.
+KV_CONNECTORS = ("TcpConnector", "NixlConnector", "OffloadingConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# vLLM's KVTransferConfig keys: accepted (those without a meaning here are ignored); any other is an error.
+KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port", "kv_load_failure_policy",
+                    "kv_connector_extra_config", "kv_buffer_device", "kv_buffer_size", "kv_rank",
+                    "kv_parallel_size", "kv_connector_module_path", "enable_permute_local_kv")
+# Keys of kv_connector_extra_config that splitserve reads.
+KV_EXTRA_KEYS = ("kv_lease_duration", "kv_load_timeout", "cpu_bytes_to_use")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """--kv-transfer-config (vLLM's JSON) and --kv-offload-gb: which connector moves KV blocks between
+    this engine and others (or host memory), and this engine's role in it."""
+    kv_connector: str
+    kv_role: str = "kv_both"
+    engine_id: str = ""                 # "" : made unique at start-up
+    kv_ip: str = "127.0.0.1"            # where a producer serves its held blocks
+    kv_port: int = 14579                # vLLM's default; 0: any free port
+    kv_load_failure_policy: str = "recompute"  # a failed load: prefill locally, or fail the request
+    kv_lease_duration: float = 30.0     # s a producer holds blocks nobody has read (vLLM's name)
+    kv_load_timeout: float = 10.0       # s a consumer waits on a producer before the load fails
+    offload_bytes: int = 0              # OffloadingConnector: host memory for evicted prefix blocks
+
+    def __post_init__(self) -> None:
+        _require(self.kv_connector in KV_CONNECTORS,
+                 f"kv_transfer_config: kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
+        _require(self.kv_role in KV_ROLES,
+                 f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        _require(self.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES,
+                 f"kv_transfer_config: kv_load_failure_policy must be one of "
+                 f"{', '.join(KV_LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}")
+        _require(isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535,
+                 f"kv_transfer_config: kv_port must be in [0, 65535], got {self.kv_port!r}")
+        _require(self.kv_lease_duration > 0 and self.kv_load_timeout > 0,
+                 "kv_transfer_config: kv_lease_duration and kv_load_timeout must be > 0")
+        _require(self.kv_connector != "OffloadingConnector" or self.offload_bytes > 0,
+                 "OffloadingConnector needs host memory: --kv-offload-gb N (or kv_connector_extra_config."
+                 "cpu_bytes_to_use)")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def parse_kv_transfer_config(text: str | dict | None, offload_gb: float | None = None) -> KVTransferConfig | None:
+    """vLLM's --kv-transfer-config JSON (and --kv-offload-gb) -> the section, or None (no connector).
+    Unknown keys, connectors, roles and policies are ValueErrors naming them."""
+    import json
+    if offload_gb is not None and offload_gb <= 0:
+        raise ValueError(f"kv_offload_gb must be > 0, got {offload_gb}")
+    if text is None or text == "":
+        if offload_gb is None:
+            return None
+        return KVTransferConfig("OffloadingConnector", "kv_both", offload_bytes=int(offload_gb * (1 << 30)))
+    if isinstance(text, str):
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+    else:
+        raw = dict(text)
+    _require(isinstance(raw, dict), "kv_transfer_config must be a JSON object")
+    unknown = sorted(set(raw) - set(KV_TRANSFER_KEYS))
+    _require(not unknown, f"kv_transfer_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(KV_TRANSFER_KEYS)})")
+    _require("kv_connector" in raw and "kv_role" in raw, "kv_transfer_config needs kv_connector and kv_role")
+    extra = raw.get("kv_connector_extra_config") or {}
+    _require(isinstance(extra, dict), "kv_transfer_config: kv_connector_extra_config must be an object")
+    unknown = sorted(set(extra) - set(KV_EXTRA_KEYS))
+    _require(not unknown, f"kv_transfer_config: unknown kv_connector_extra_config key(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(KV_EXTRA_KEYS)})")
+    offload = int(offload_gb * (1 << 30)) if offload_gb is not None else int(extra.get("cpu_bytes_to_use", 0))
+    kwargs = {k: raw[k] for k in ("engine_id", "kv_ip", "kv_port", "kv_load_failure_policy") if raw.get(k) is not None}
+    if "kv_port" in kwargs:
+        try:
+            kwargs["kv_port"] = int(kwargs["kv_port"])
+        except (TypeError, ValueError):
+            raise ValueError(f"kv_transfer_config: kv_port must be an integer, got {raw['kv_port']!r}") from None
+    for key in ("kv_lease_duration", "kv_load_timeout"):
+        if key in extra:
+            kwargs[key] = float(extra[key])
+    return KVTransferConfig(raw["kv_connector"], raw["kv_role"], offload_bytes=offload, **kwargs)
+
+
 
 @dataclass(frozen=True)
 class LoadConfig:
@@ -224,6 +314,7 @@ class EngineConfig:
     load: LoadConfig | None = None  # None only in tests that hand a built model to a runner
     lora: LoRAConfig | None = None  # None: LoRA off
     onnx: OnnxConfig | None = None  # None: the torch model (else the ONNX Runtime backend)
+    kv_transfer: KVTransferConfig | None = None  # None: no KV connector
     structured_outputs_fill: str = "process"  # one of STRUCTURED_OUTPUT_FILLS
     seed: int | None = None
     async_scheduling: bool | None = None  # None: on with CUDA

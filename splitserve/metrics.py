@@ -24,13 +24,14 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from splitserve.engine.async_engine import RequestStream
 from splitserve.protocol.core_messages import SchedulerStats
 from splitserve.engine.output_processor import RequestOutput
+from splitserve.kv_transfer.base import TRANSFER_TIME_BUCKETS
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ def _token_buckets(max_model_len: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+
+def _one(kind, labels, value, name, doc, v):
+    f = kind(name, doc, labels=labels)
+    f.add_metric(value, v)
+    return f
 
 
 class _EngineStateCollector(Collector):
@@ -97,6 +104,33 @@ class _EngineStateCollector(Collector):
         yield family(c, "splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", "prefix_hits")
         yield family(c, "splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                      "num_preemptions")
+        yield family(c, "splitserve:prompt_tokens_computed", "Prompt tokens the engine's steps computed (neither "
+                     "found in the prefix cache nor loaded from another engine).", "prompt_tokens_computed")
+        value, s = series[-1]  # the transfer figures: the server's (one engine's, or the totals)
+        t = s.kv_transfer
+        if t is None:
+            return
+        yield _one(GaugeMetricFamily, labels, value, "splitserve:kv_transfer_receiving", "Sequences waiting for their prompt's KV from another "
+                    "engine.", s.num_receiving)
+        yield _one(GaugeMetricFamily, labels, value, "splitserve:kv_transfer_held_requests", "Finished requests whose KV blocks are held for a "
+                    "remote reader.", s.num_held)
+        for name, doc, v in (("sent_tokens", "Prompt tokens whose KV was sent to other engines.", t.sent_tokens),
+                             ("sent_bytes", "KV bytes sent to other engines.", t.sent_bytes),
+                             ("received_tokens", "Prompt tokens whose KV was loaded from other engines.", t.recv_tokens),
+                             ("received_bytes", "KV bytes loaded from other engines.", t.recv_bytes),
+                             ("failed", "KV loads that failed (recomputed or failed by policy).", t.failed),
+                             ("offload_saved_blocks", "Evicted prefix blocks copied to host memory.",
+                              t.offload_saved_blocks),
+                             ("offload_hit_tokens", "Prefix tokens brought back from host memory.", t.offload_hit_tokens)):
+            yield _one(CounterMetricFamily, labels, value, f"splitserve:kv_transfer_{name}", doc, v)
+        h = HistogramMetricFamily("splitserve:kv_transfer_time_seconds", "Time of each KV load from another "
+                                  "engine (handshake, read, acknowledgement).", labels=labels)
+        running, buckets = 0, []
+        for le, n in zip([*map(str, TRANSFER_TIME_BUCKETS), "+Inf"], t.time_buckets):
+            running += n
+            buckets.append((le, running))
+        h.add_metric(value, buckets, t.time_sum)
+        yield h
 
 
 class _Renamed(Collector):

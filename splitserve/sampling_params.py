@@ -152,6 +152,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None          # never generated (as whole token sequences)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's free-form extras; "kv_transfer_params" (prefill/decode disaggregation) is read by the
+    # engine core (core/scheduler.py), as vLLM's server passes it.
+    extra_args: dict | None = None
 
     def _check(self) -> None:
         """Normalizes and validates, once, on construction (see _validated_on_init)."""

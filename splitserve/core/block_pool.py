@@ -33,6 +33,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
+        # Called with a cached block just before its hash and contents are given up (the host tier of
+        # kv_transfer/offload.py saves it); None: evicted blocks are simply forgotten.
+        self.on_evict = None
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -98,4 +101,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block)
             block.block_hash = block.token_ids = block.parent_hash = None

@@ -21,7 +21,7 @@ from splitserve.core.request import Request, RequestStatus
 from splitserve.core.scheduler import Scheduler
 from splitserve.fault_injection import install_step_faults
 from splitserve.loading.resolve import load_serving_tokenizer
-from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, KVTransferCounters, SchedulerStats
 from splitserve.protocol.rank_messages import RanksLostError
 from splitserve.protocol.sched_output import GrammarBitmask
 from splitserve.structured_output.manager import StructuredOutputManager
@@ -76,6 +76,20 @@ def _structured_manager(config: EngineConfig):
     return manager
 
 
+def _kv_pool(config: EngineConfig, executor):
+    """What the KV connector reads and writes: the pool's tensors in this process, or (rank processes,
+    which serve their blocks themselves) its layout only."""
+    from splitserve.kv_transfer.pool import KVLayout, KVPool, LayoutOnly
+    tp = config.parallel.tensor_parallel_size
+    if executor.kv_caches is not None:
+        return KVPool(executor.kv_caches)
+    from splitserve.kv_transfer.pool import rank_heads
+    m = config.model
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, m.dtype)
+    return LayoutOnly(KVLayout(m.num_layers, len(rank_heads(m.num_kv_heads, tp, 0)), m.head_dim,
+                               config.cache.block_size, str(dtype).removeprefix("torch."), tp, m.num_kv_heads))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor):
         """`executor` runs the model (executor/: in this process, or one worker process per rank) and
@@ -86,12 +100,19 @@ class EngineCore:
         self.executor = executor
         self.lora = executor.lora  # the LoRAManager with --enable-lora (lora/)
         install_step_faults(executor)  # test-only; a no-op unless SPLITSERVE_INJECT_STEP_FAULTS is set
+        # The KV connector (kv_transfer/): another engine's blocks in, ours out, or a host-memory tier.
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            from splitserve.kv_transfer.registry import build_connector
+            self.kv_connector = build_connector(config.kv_transfer, _kv_pool(config, executor))
         self.kv_manager = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                         sliding_window=executor.kv_free_window)
+                                         sliding_window=executor.kv_free_window,
+                                         host_tier=getattr(self.kv_connector, "host_tier", None))
         # Grammars compile and masks fill off the core's thread (a grammar process, started here in the
         # background with a GPU, else by the first constrained request; or threads here).
         self.structured = _structured_manager(config)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora, self.kv_connector,
+                                   config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute")
         self.async_scheduling = config.runs_async
         # A runner in this process takes a step's grammar masks after its launch (ModelRunner.sample);
         # worker processes get them in the step message.
@@ -124,17 +145,22 @@ class EngineCore:
             raise EngineDeadError(str(exc), process_lost=True) from exc
 
     def shutdown(self) -> None:
-        """Stops the grammar process and the executor (its worker processes, with world size > 1)."""
+        """Stops the grammar process, the KV connector and the executor (its worker processes, with
+        world size > 1)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self.num_received += 1
+        extra = req.sampling_params.extra_args or {}
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_ids,
                           req.max_total_tokens, req.arrival_time, req.priority, mm_items=req.mm_items,
                           lora_request=req.lora_request, encoder_prompt_ids=req.encoder_prompt_ids,
-                          num_encoder_tokens=req.num_encoder_tokens, bad_words_token_ids=req.bad_words_token_ids)
+                          num_encoder_tokens=req.num_encoder_tokens, bad_words_token_ids=req.bad_words_token_ids,
+                          kv_transfer_params=extra.get("kv_transfer_params"))
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.lora_request is not None:
@@ -176,10 +202,24 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    def idle_work(self) -> None:
+        """What an idle core still does: free the blocks held for remote readers that acknowledged,
+        or whose lease ended (the core loop calls this while it waits for requests)."""
+        if self.kv_connector is not None and self.kv_connector.busy:
+            self.scheduler.poll_connector()
+
     def stats(self) -> SchedulerStats:
         kv = self.kv_manager
-        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage(),
-                              kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions, self.num_received)
+        stats = SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage(),
+                               kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions, self.num_received,
+                               num_receiving=len(self.scheduler.receiving), num_held=kv.num_held,
+                               prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed)
+        if self.kv_connector is not None:
+            t = self.kv_connector.stats
+            stats.kv_transfer = KVTransferCounters(t.sent_tokens, t.sent_bytes, t.recv_tokens, t.recv_bytes, t.failed,
+                                                   list(t.time_buckets), t.time_sum, t.offload_saved_blocks,
+                                                   t.offload_hit_tokens)
+        return stats
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -210,6 +250,10 @@ class EngineCore:
         if self.lora is not None:
             outputs += self._fail_lora_loads()
         sched = self.scheduler.schedule()
+        if self.scheduler.kv_failed:  # loads that failed under kv_load_failure_policy "fail"
+            failed, self.scheduler.kv_failed = self.scheduler.kv_failed, []
+            outputs += [EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=r.stop_reason)
+                        for r in failed]
         self.last_step_tokens = sched.total_num_scheduled_tokens
         constrained = []
         if not sched.is_empty:
@@ -335,6 +379,8 @@ class EngineCore:
                                    request.stop_reason, request.num_cached_tokens)
             if lp is not None:
                 out.new_logprob_ranks = [result.logprob_ranks.get(request.request_id, 0)]
+            if request.kv_params_out is not None:  # a producer holds its blocks for a decode engine
+                out.kv_transfer_params = request.kv_params_out
             if len(request.output_token_ids) == 1:
                 if request.first_scheduled_time is not None:
                     out.queue_time = request.first_scheduled_time - request.arrival_time

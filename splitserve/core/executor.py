@@ -9,6 +9,9 @@ class Executor(Protocol):
     num_blocks: int  # KV blocks every rank has allocated
     kv_free_window: int | None  # tokens after which a request's blocks can go (None: never, some layer sees all)
     lora: Any  # the LoRAManager with --enable-lora, else None
+    # The KV pool's tensors when they live in this process (world size 1: a KV connector reads and
+    # writes them); the rank executors have none here.
+    kv_caches: Any
 
     def launch(self, sched, inflight=None) -> Any:
         """Starts a step (the scheduler's plain-data output); returns the step in flight."""

@@ -19,6 +19,11 @@ request is admitted (`allocate_encoder`, after its decoder's blocks) and freed w
 They are never registered in the prefix cache (a request's own encoder fills them); the decoder's
 blocks carry the encoder input's identity in their hashes, so decoder blocks are shared only between
 requests with the same encoder input.
+
+KV transfer (kv_transfer/): a producer's finished request can `hold` its blocks for a remote reader
+(they stay referenced under its id, outside any request, until `free_held`); with a host tier (the
+OffloadingConnector) cached blocks are saved to host memory as the pool evicts them, and a prefix
+miss in the pool that hits the host tier gets fresh blocks filled from it (`get_computed_blocks`).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from splitserve.core.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, host_tier=None):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
         self.block_size = block_size
@@ -42,6 +47,10 @@ class KVCacheManager:
         self._encoder_blocks: dict[str, list[KVBlock]] = {}  # request id -> its cross-attention blocks
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0     # of those, tokens found
+        self._held: dict[str, list[KVBlock]] = {}  # request id -> blocks kept for a remote reader
+        self.host_tier = host_tier  # kv_transfer.offload.HostBlockStore, or None
+        if host_tier is not None:
+            self.pool.on_evict = lambda b: host_tier.save(b.block_id, b.block_hash, b.parent_hash, b.token_ids)
 
     @staticmethod
     def _extra_keys(request: Request, start: int, end: int) -> tuple:
@@ -81,9 +90,62 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = h
+        if self.host_tier is not None and len(hits) < max_blocks:
+            hits += self._restore_from_host(request, hits, max_blocks)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def _restore_from_host(self, request: Request, hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
+        """The blocks after `hits` that the host tier has, in fresh pool blocks filled from it and
+        registered in the prefix cache (left unreferenced, like any cached free block: the caller's
+        allocate_slots takes them as hits). Stops at the first miss or when the pool has no block."""
+        bs, tier = self.block_size, self.host_tier
+        found = []
+        parent = request.block_hashes[len(hits) - 1] if hits else None
+        for i in range(len(hits), max_blocks):
+            h, tokens = request.block_hashes[i], tuple(request.token_slice(i * bs, (i + 1) * bs))
+            if not tier.contains(h, parent, tokens):
+                break
+            found.append((h, parent, tokens))
+            parent = h
+        self.pool.touch(hits)  # the pool hits must survive the allocation below (it evicts LRU blocks)
+        found = found[:self.pool.num_free_blocks]
+        new = self.pool.allocate(len(found))
+        for block, (h, parent, tokens) in zip(new, found):
+            tier.load(h, block.block_id)
+            self.pool.cache_block(block, h, parent, tokens)
+        self.pool.free(list(reversed(hits + new)))  # unreferenced again, the prefix last to go
+        return new
+
+    def hold(self, request: Request) -> list[int]:
+        """Keeps a finished request's blocks referenced for a remote reader; returns their ids. The
+        request itself lets go of them (its state is dropped as by `free`)."""
+        self.free_encoder(request)
+        blocks = self._blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
+        self._num_passed.pop(request.request_id, None)
+        if any(b is None for b in blocks):  # a window freed some: nothing whole to hand over
+            self.pool.free([b for b in reversed(blocks) if b is not None])
+            request.block_ids = []
+            return []
+        if request.request_id in self._held:
+            raise RuntimeError(f"request {request.request_id!r} already holds blocks for a reader")
+        self._held[request.request_id] = blocks
+        request.block_ids = []
+        return [b.block_id for b in blocks]
+
+    def free_held(self, request_id: str) -> bool:
+        """Gives back the blocks held for a reader (acknowledged, or its lease ended)."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(list(reversed(blocks)))
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:

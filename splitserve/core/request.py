@@ -13,6 +13,9 @@ from splitserve.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Its prompt's KV blocks are coming from another engine (a KV connector's load_async): it holds
+    # its blocks and waits outside the queue, blocking no one, until the connector's poll says done.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"      # EOS, stop token or stop string
     FINISHED_LENGTH = "length"     # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
@@ -27,7 +30,8 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
-_FINISHED = frozenset(s for s in RequestStatus if s not in (RequestStatus.WAITING, RequestStatus.RUNNING))
+_FINISHED = frozenset(s for s in RequestStatus if s not in (RequestStatus.WAITING, RequestStatus.RUNNING,
+                                                             RequestStatus.WAITING_FOR_REMOTE_KVS))
 
 
 @dataclass
@@ -85,6 +89,12 @@ class Request:
     # sampling_params.bad_words as token ids (the front's EngineCoreRequest.bad_words_token_ids),
     # passed on to the worker with NewRequestData.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # KV transfer (kv_transfer/): vLLM's kv_transfer_params as the request brought them; what a
+    # producer answers once it holds the blocks for a decode engine; whether a remote load was tried
+    # (a failed one is not tried again: the request prefills here).
+    kv_transfer_params: dict | None = None
+    kv_params_out: dict | None = None
+    kv_load_tried: bool = False
 
     _encoder_hash: int | None = None
 

@@ -29,6 +29,17 @@ chunked, so a request waits for a step with room for all of them) and its cross-
 are allocated with its first decoder blocks (`KVCacheManager.allocate_encoder`). The step message
 lists the requests whose encoder runs (`encoder_runs`, with their cross blocks). Preemption frees
 both groups; the request's encoder runs again when it is readmitted.
+
+KV transfer (`connector`, kv_transfer/base.py): a waiting request whose kv_transfer_params ask for a
+remote prefill, and whose prompt blocks the connector finds remotely, is given blocks for its whole
+prompt and leaves the queue for `receiving` (WAITING_FOR_REMOTE_KVS) while the connector loads them;
+it takes no step budget and holds up no one. When the load is done its prompt counts as computed but
+for the last token (whose logits give the first output token) and it rejoins the queue's head; a
+failed load either prefills here (policy recompute: its blocks go back, it is admitted like any
+request) or ends the request with the reason (policy fail). On a producer, a request asking for a
+remote decode keeps its blocks after it finishes (`KVCacheManager.hold`), and the connector's answer
+(`kv_params_out`) goes out with its last output; the blocks go back when the connector reports the
+reader's acknowledgement or the end of the lease.
 """
 from __future__ import annotations
 
@@ -39,12 +50,14 @@ from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request_queue import make_waiting_queue
 from splitserve.protocol.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.core.request import Request, RequestStatus
+from splitserve.kv_transfer.base import wants_remote_prefill
 
 __all__ = ["Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, structured=None, lora=None):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, structured=None, lora=None,
+                 connector=None, kv_load_failure_policy: str = "recompute"):
         self.config = config
         self.kv = kv_manager
         self.structured = structured  # StructuredOutputManager, or None (no constrained requests)
@@ -63,6 +76,11 @@ class Scheduler:
         # Whether a decoder-only request with images was ever added: until then (text models always)
         # no step walks the waiting queue for images to announce.
         self._has_image_requests = False
+        self.connector = connector  # a kv_transfer KVConnector, or None
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.receiving: dict[str, Request] = {}  # loading their prompt's KV from another engine
+        self.kv_failed: list[Request] = []  # ended by a failed load (policy fail); the core reports them
+        self.num_prompt_tokens_computed = 0  # prompt tokens run by steps (not cached, not loaded)
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -78,7 +96,7 @@ class Scheduler:
             self._has_image_requests = True  # from now on steps look for images to announce
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -91,6 +109,8 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         budget = self.config.max_num_batched_tokens
         preempted = False
+        if self.connector is not None:
+            self.poll_connector()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -137,7 +157,12 @@ class Scheduler:
             enc = request.num_encoder_tokens
             if enc and enc >= budget:
                 break  # its encoder runs whole: wait for a step with room for it
-            hits, num_cached = self.kv.get_computed_blocks(request)
+            if request.block_ids:  # its prompt's KV was loaded from another engine: nothing to look up
+                hits, num_cached = [], request.num_computed_tokens
+            else:
+                hits, num_cached = self.kv.get_computed_blocks(request)
+                if self.connector is not None and self._start_remote_load(request, hits, num_cached):
+                    continue
             n = min(request.num_tokens - num_cached, budget - enc)
             # The decoder's blocks first: its prefix hits may sit free in the pool, where the encoder's
             # allocation could otherwise take (and overwrite) them.
@@ -185,6 +210,70 @@ class Scheduler:
         if scheduled:
             self._steps[out.step_id] = scheduled
         return out
+
+    # -- KV transfer ------------------------------------------------------------------------------
+    def _start_remote_load(self, request: Request, hits: list, num_cached: int) -> bool:
+        """Sends the head of the queue to `receiving` if its prompt's blocks exist remotely: it gets
+        blocks for its whole prompt (the prefix hits first) and the connector starts loading the rest.
+        False: it is admitted as usual (nothing remote, or no blocks for it now)."""
+        params = request.kv_transfer_params
+        if request.kv_load_tried or not wants_remote_prefill(params):
+            return False
+        num_remote = self.connector.lookup(request.request_id, params, request.num_prompt_tokens, len(hits))
+        if num_remote <= 0:
+            return False
+        # Blocks for every prompt token; the waiting request has computed none of them yet.
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_cached, hits):
+            return False
+        request.kv_load_tried = True
+        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting.popleft()
+        self.receiving[request.request_id] = request
+        self.connector.load_async(request.request_id, params, list(request.block_ids), len(hits),
+                                  request.num_prompt_tokens)
+        return True
+
+    def poll_connector(self) -> None:
+        """Takes in finished loads (their requests rejoin the queue's head, or fail) and frees the
+        blocks of held requests the connector lets go."""
+        loads, released = self.connector.poll()
+        for rid in released:
+            self.kv.free_held(rid)
+        for done in loads:
+            request = self.receiving.pop(done.request_id, None)
+            if request is None:
+                continue  # aborted meanwhile
+            request.status = RequestStatus.WAITING
+            if done.ok:
+                # All loaded prompt tokens count as computed but the last prompt token: its logits
+                # give the first output token, so this engine computes at most that one.
+                loaded = min(done.num_tokens, request.num_prompt_tokens - 1)
+                request.num_computed_tokens = request.num_cached_tokens = max(request.num_computed_tokens, loaded)
+                self.waiting.appendleft(request)
+            elif self.kv_load_failure_policy == "fail" or not done.recoverable:
+                request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, done.error
+                self._release(request)
+                self.kv_failed.append(request)
+            else:  # recompute: the request prefills here, from whatever its own prefix cache has
+                self.kv.free(request)
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                self.waiting.appendleft(request)
+
+    def _hold_for_reader(self, request: Request) -> bool:
+        """A finished producer request: whether the connector holds its blocks for a remote reader."""
+        if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) \
+                or not request.block_ids or request.num_computed_tokens < request.num_prompt_tokens:
+            return False
+        params = self.connector.save(request.request_id, request.kv_transfer_params, list(request.block_ids),
+                                     request.num_prompt_tokens)
+        if params is None:
+            return False
+        if not self.kv.hold(request):
+            self.connector.release(request.request_id)
+            return False
+        request.kv_params_out = params
+        return True
 
     def _announce_images(self, out: SchedulerOutput) -> None:
         """Announces the images of the next waiting requests (as far ahead as one batch of running
@@ -250,6 +339,8 @@ class Scheduler:
         how many sample (the worker decides the same from its own counts)."""
         num_samples = 0
         for request, n in self._steps.get(out.step_id, ()):
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(n, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += n
             if request.num_computed_tokens == request.num_tokens:
                 request.num_pending += 1
@@ -359,6 +450,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.WAITING:
                 self.waiting.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.receiving[rid]
+                self.connector.cancel(rid)
             request.status = status
             self._release(request)
             done.append(request)
@@ -369,7 +463,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:  # preempted while its last step ran, then finished by its result
             self.waiting.remove(request)
-        self.kv.free(request)
+        if self.connector is None or request.kv_transfer_params is None or not self._hold_for_reader(request):
+            self.kv.free(request)
         if request.lora_pinned:
             self.lora.unpin(request)
         self.requests.pop(request.request_id, None)

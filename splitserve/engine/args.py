@@ -169,6 +169,20 @@ class EngineArgs(CliOptions):
         None, default_text="none: runtime loading is refused",
         help="runtime-loaded adapters must lie under this directory")
 
+    # KV transfer between engines (prefill/decode disaggregation) and to host memory (vLLM's names).
+    kv_transfer_config: str | None = option(
+        None, metavar="JSON", default_text="none",
+        help="KV connector, as vLLM's JSON: '{\"kv_connector\": \"TcpConnector\"|\"NixlConnector\"|"
+             "\"OffloadingConnector\", \"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", "
+             "\"kv_ip\": ..., \"kv_port\": ..., \"kv_load_failure_policy\": \"recompute\"|\"fail\", "
+             "\"kv_connector_extra_config\": {\"kv_lease_duration\": 30}}'. A producer serves a request's "
+             "blocks when it carries kv_transfer_params.do_remote_decode; a consumer loads them for "
+             "do_remote_prefill")
+    kv_offload_gb: float | None = option(
+        None, default_text="none",
+        help="host memory (GiB) for evicted prefix-cache blocks, brought back on a prefix hit "
+             "(the OffloadingConnector, when --kv-transfer-config names no other)")
+
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), the older form
             self.served_model_name = [self.served_model_name]

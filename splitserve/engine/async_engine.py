@@ -513,7 +513,10 @@ class AsyncLLMEngine:
                 self._forget(out.request_id)
             self._observe(stream, out, ts)
             if any(o.finish_reason == "error" for o in out.outputs):
-                stream._put(EngineRequestError("the engine failed while running this request"))
+                # The core's reason when it gave one (a failed KV load under policy "fail", say).
+                why = next((o.stop_reason for o in out.outputs if isinstance(o.stop_reason, str)), None)
+                stream._put(EngineRequestError("the engine failed while running this request"
+                                               + (f": {why}" if why else "")))
             else:
                 stream._put(out)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
-                               OnnxConfig, ParallelConfig, SchedulerConfig)
+                               OnnxConfig, ParallelConfig, SchedulerConfig, parse_kv_transfer_config)
 
 
 def check_device(device: str) -> None:
@@ -67,6 +67,21 @@ def onnx_config(args, source, device: str):
     return OnnxConfig(source.directory), manifest.dtype
 
 
+def kv_transfer_config(args, world_size: int):
+    """The KV-transfer section (None without a connector), checked against what runs it."""
+    kv = parse_kv_transfer_config(args.kv_transfer_config, args.kv_offload_gb)
+    if kv is not None and world_size > 1 and not (
+            kv.kv_connector == "TcpConnector" and kv.kv_role == "kv_producer" and args.pipeline_parallel_size == 1
+            and args.nnodes == 1 and kv.kv_port):
+        raise ValueError(f"--kv-transfer-config / --kv-offload-gb with several ranks (tensor x pipeline parallel = "
+                         f"{world_size}) work only for a TcpConnector kv_producer with tensor parallelism on one "
+                         f"host and a fixed kv_port (its ranks serve on kv_port + 1 + rank); run other roles with -tp 1")
+    if kv is not None and kv.kv_connector == "NixlConnector":
+        from splitserve.kv_transfer.registry import check_available
+        check_available(kv.kv_connector)
+    return kv
+
+
 def build_engine_config(args) -> EngineConfig:
     """`args`: an engine.args.EngineArgs (called by its create_engine_config)."""
     import torch
@@ -116,6 +131,7 @@ def build_engine_config(args) -> EngineConfig:
                                 data_parallel_backend=args.data_parallel_backend),
         load=LoadConfig(source, tokenizer_source, args.random_weights),
         lora=lora_config(args), onnx=onnx,
+        kv_transfer=kv_transfer_config(args, args.world_size),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),

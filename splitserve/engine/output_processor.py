@@ -90,6 +90,8 @@ class RequestOutput:
     # An encoder-decoder request's encoder positions (prompt_token_ids are then the decoder's start
     # token): the API counts both as the prompt, as vLLM counts Whisper's encoder prompt.
     num_encoder_tokens: int = 0
+    # A KV producer's answer (vLLM's kv_transfer_params) for the decode engine; with the final output.
+    kv_transfer_params: dict | None = None
 
 
 class _ChildState:
@@ -135,6 +137,7 @@ class RequestState:
         self.queue_time: float | None = None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.num_encoder_tokens = 0  # set by the front for encoder-decoder requests
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -216,7 +219,8 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens,
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, queue_time=self.queue_time,
-            prompt_logprobs=self.prompt_logprobs, num_encoder_tokens=self.num_encoder_tokens)
+            prompt_logprobs=self.prompt_logprobs, num_encoder_tokens=self.num_encoder_tokens,
+            kv_transfer_params=self.kv_transfer_params)
 
 
 class OutputProcessor:
@@ -265,6 +269,8 @@ class OutputProcessor:
                 state.num_cached_tokens = o.num_cached_tokens
             if o.queue_time is not None and state.queue_time is None:
                 state.queue_time = o.queue_time
+            if o.kv_transfer_params is not None:
+                state.kv_transfer_params = o.kv_transfer_params
             if o.prompt_logprobs is not None:
                 state.set_prompt_logprobs(o.prompt_logprobs, o.prompt_logprob_ranks)
             stop = state.add_tokens(child, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,

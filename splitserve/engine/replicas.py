@@ -233,7 +233,9 @@ def total_stats(replicas: list[Replica]) -> SchedulerStats:
                           kv_usage=sum(s.kv_usage for s in ss) / len(ss),
                           prefix_queries=sum(s.prefix_queries for s in ss), prefix_hits=sum(s.prefix_hits for s in ss),
                           num_preemptions=sum(s.num_preemptions for s in ss),
-                          num_received=sum(s.num_received for s in ss))
+                          num_received=sum(s.num_received for s in ss),
+                          num_receiving=sum(s.num_receiving for s in ss), num_held=sum(s.num_held for s in ss),
+                          prompt_tokens_computed=sum(s.prompt_tokens_computed for s in ss))
 
 
 def replica_devices(config: EngineConfig, num_gpus: int | None = None) -> list[str | None]:

@@ -61,6 +61,7 @@ class InProcessExecutor:
             if precompile is not None:
                 precompile.finish()
         self.model = model
+        self.kv_caches = self.runner.kv_caches  # for a KV connector (kv_transfer/)
         # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
         self.kv_free_window = kv_free_window(model)
         if config.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran

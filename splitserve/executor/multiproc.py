@@ -183,6 +183,7 @@ class MultiprocExecutor:
         """`ranks`: who starts the rank processes (LocalRanks, or a RayRanks of executor/ray_ranks.py)."""
         par = self.par = config.parallel
         self.ranks = ranks if ranks is not None else LocalRanks(config)
+        self.kv_caches = None  # the KV pool lives in the rank processes (a producer's ranks serve it: kv_transfer/tcp.py)
         self.lora = None  # LoRA: the core's manager here; each rank attaches its own slots (rank_worker.py)
         if config.lora is not None:
             from splitserve.lora.manager import build_manager

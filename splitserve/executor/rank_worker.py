@@ -138,6 +138,7 @@ class RankWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
         self.device = device
         config = dataclasses.replace(config, device=device)
+        self.config = config
         init_model_parallel(tp_size=par.tensor_parallel_size, pp_size=par.pipeline_parallel_size, rank=rank,
                             backend=backend, init_method=init_method, timeout_s=par.distributed_timeout_s)
         if fault is not None and fault[1] == "startup_oom":
@@ -156,6 +157,11 @@ class RankWorker:
 
     def start(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        kv = self.config.kv_transfer
+        if kv is not None and kv.is_producer:  # a tensor-parallel producer: this rank serves its heads
+            from splitserve.kv_transfer.pool import KVPool
+            from splitserve.kv_transfer.tcp import BlockServer
+            self.block_server = BlockServer(KVPool(self.runner.kv_caches), kv.kv_ip, kv.kv_port + 1 + self.rank)
         self.runner.setup_fast_path()
         gc.freeze()
         if self.seed is not None:  # as the in-process runner (unseeded draws repeat)

@@ -65,6 +65,22 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # {token_id: logprob} (the prompt token first, then the top k) and the prompt token's rank.
     prompt_logprobs: list[dict[int, float]] | None = None
     prompt_logprob_ranks: list[int] | None = None
+    # With the last output of a request a KV producer holds blocks for: vLLM's kv_transfer_params
+    # (remote_engine_id, remote_host, remote_port, remote_block_ids, remote_request_id, ...).
+    kv_transfer_params: dict | None = None
+
+
+class KVTransferCounters(msgspec.Struct, array_like=True):
+    """A KV connector's running totals (kv_transfer/base.py KVTransferStats)."""
+    sent_tokens: int = 0
+    sent_bytes: int = 0
+    recv_tokens: int = 0
+    recv_bytes: int = 0
+    failed: int = 0
+    time_buckets: list[int] = []  # per bucket of kv_transfer.base.TRANSFER_TIME_BUCKETS, then +Inf
+    time_sum: float = 0.0
+    offload_saved_blocks: int = 0
+    offload_hit_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -75,6 +91,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_hits: int = 0
     num_preemptions: int = 0
     num_received: int = 0   # sequences the core has taken in (the front counts those it sent)
+    num_receiving: int = 0  # waiting for their prompt's KV from another engine
+    num_held: int = 0       # finished requests whose blocks a producer holds for a remote reader
+    prompt_tokens_computed: int = 0  # prompt tokens run by steps (not prefix-cached, not loaded)
+    kv_transfer: KVTransferCounters | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

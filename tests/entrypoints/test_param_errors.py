@@ -110,3 +110,15 @@ def test_param_is_taken_from_the_error_not_its_text():
 
     err = asyncio.run(main())
     assert (err.status, err.message, err.param) == (400, "the nucleus is too small for this model", "top_p")
+
+
+def test_kv_transfer_params_reach_the_engine_as_vllm_passes_them():
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    sp = CompletionRequest(prompt="hi", max_tokens=1, kv_transfer_params=params).to_sampling_params()
+    assert sp.extra_args == {"kv_transfer_params": params}
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], kv_transfer_params=params)
+    assert chat.to_sampling_params().extra_args["kv_transfer_params"] == params
+    assert CompletionRequest(prompt="hi").to_sampling_params().extra_args is None
+    with pytest.raises(APIError, match="need n=1"):
+        CompletionRequest(prompt="hi", n=2, kv_transfer_params=params).to_sampling_params()

@@ -103,3 +103,25 @@ def test_stats_line_while_busy_and_quiet_when_idle():
     assert "0.0 tokens/s" in log.line(now=9.0)  # still running: reported even without new tokens
     stats = SchedulerStats(prefix_queries=40, prefix_hits=10)
     assert log.line(now=11.0) is None  # idle
+
+
+def test_kv_transfer_counters_and_histogram():
+    from splitserve.kv_transfer.base import KVTransferStats
+    from splitserve.protocol.core_messages import KVTransferCounters
+    t = KVTransferStats(sent_tokens=30, sent_bytes=3000, recv_tokens=20, recv_bytes=2000, failed=1)
+    for seconds in (0.002, 0.004, 3.0):
+        t.observe_time(seconds)
+    stats = SchedulerStats(prompt_tokens_computed=2, num_held=1, kv_transfer=KVTransferCounters(
+        t.sent_tokens, t.sent_bytes, t.recv_tokens, t.recv_bytes, t.failed, t.time_buckets, t.time_sum, 4, 32))
+    text = ServerMetrics("m", lambda: stats, cache_info=CACHE).render().decode()
+    for name, value in [("splitserve:kv_transfer_sent_tokens_total", 30), ("splitserve:kv_transfer_received_bytes_total",
+                        2000), ("splitserve:kv_transfer_failed_total", 1), ("splitserve:kv_transfer_held_requests", 1),
+                        ("splitserve:kv_transfer_offload_hit_tokens_total", 32),
+                        ("splitserve:prompt_tokens_computed_total", 2)]:
+        assert sample(text, name, model_name="m") == value, name
+    assert sample(text, "splitserve:kv_transfer_time_seconds_bucket", le="0.0025") == 1
+    assert sample(text, "splitserve:kv_transfer_time_seconds_bucket", le="0.005") == 2
+    assert sample(text, "splitserve:kv_transfer_time_seconds_bucket", le="+Inf") == 3
+    assert sample(text, "splitserve:kv_transfer_time_seconds_count") == 3
+    plain = ServerMetrics("m", lambda: SchedulerStats(), cache_info=CACHE).render().decode()
+    assert "kv_transfer_sent" not in plain  # no connector: no KV-transfer families

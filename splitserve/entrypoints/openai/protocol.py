@@ -126,6 +126,11 @@ class _SamplingRequest(_Request):
     # vLLM's extensions: lower runs first (--scheduling-policy priority); keep the last k prompt
     # tokens; per prompt token its logprob and the top k (not with stream).
     priority: int = Field(default=0, ge=-_INT64, lt=_INT64)
+    # vLLM's prefill/decode protocol: {"do_remote_decode": true} asks a KV producer to hold the
+    # prompt's blocks (its response carries the params a decode engine needs); {"do_remote_prefill":
+    # true, "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"}
+    # asks a KV consumer to load them instead of prefilling.
+    kv_transfer_params: dict | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     prompt_logprobs: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     # Structured outputs (see the module's docstring).
@@ -211,6 +216,8 @@ class _SamplingRequest(_Request):
 
         # What the request leaves unset comes from the model's generation config (when the server
         # has one), then from SamplingParams' own defaults.
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise APIError(400, "kv_transfer_params (prefill/decode disaggregation) need n=1", param="kv_transfer_params")
         given = apply_defaults(defaults or {}, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens)
         try:
@@ -226,7 +233,8 @@ class _SamplingRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self._structured_outputs())
+                truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=self._structured_outputs(),
+                extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
         except SamplingParamsError as e:  # every check of SamplingParams names its field
             raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:  # not expected: a 400 that names no field rather than a 500
@@ -406,6 +414,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict | None = None  # a KV producer's answer for the decode engine (vLLM's)
 
 
 class CompletionStreamResponse(BaseModel):
@@ -491,6 +500,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the whole request
+    kv_transfer_params: dict | None = None  # a KV producer's answer for the decode engine (vLLM's)
 
 
 class DeltaMessage(BaseModel):

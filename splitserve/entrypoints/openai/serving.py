@@ -404,7 +404,8 @@ class OpenAIServing:
                                                 prompt_logprobs=prompt_logprobs_out(self.token_text,
                                                                                     final.prompt_logprobs),
                                                 grounding=o.grounding, markdown=o.markdown))
-        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals))
+        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(finals),
+                                  kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return json_response(body)
 
     def _echo_text(self, prompt) -> str:
@@ -511,7 +512,8 @@ class OpenAIServing:
                                       markdown=o.markdown))
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage([final]),
-                                      prompt_logprobs=prompt_logprobs_out(self.token_text, final.prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs_out(self.token_text, final.prompt_logprobs),
+                                      kv_transfer_params=final.kv_transfer_params)
         return json_response(body)
 
     async def _chat_events(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,

@@ -1,0 +1,212 @@
+"""Prefill/decode disaggregation over the TcpConnector, driven the way vLLM's toy proxy drives two
+instances (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py in vLLM): the prompt goes to the
+prefill instance with max_tokens=1, stream off and kv_transfer_params {"do_remote_decode": true, ...
+None}; the kv_transfer_params of its response go with the original request to the decode instance.
+
+Servers (one module, started together): a producer, two consumers (load-failure policies recompute
+and fail), and a server with a tiny pool and --kv-offload-gb. The colocated reference is the producer
+itself answering plain requests (no kv_transfer_params: the connector is not involved)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest import DEFAULT_ARGS, ServerProcess, free_port, metric_value
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "Write a short poem about the sea:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Q: What is 12 times 12?\nA:" + " Let me think step by step." * 6,
+]
+
+
+def _tcp(role: str, **extra) -> list[str]:
+    import json
+    cfg = {"kv_connector": "TcpConnector", "kv_role": role, **extra}
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    kv_port = free_port()
+    specs = {
+        "prefill": _tcp("kv_producer", kv_port=kv_port),
+        "decode": _tcp("kv_consumer", kv_connector_extra_config={"kv_load_timeout": 3}),
+        "decode_fail": _tcp("kv_consumer", kv_load_failure_policy="fail",
+                            kv_connector_extra_config={"kv_load_timeout": 3}),
+        # 16 blocks of 16 tokens: a conversation of ~150 tokens and a ~230-token filler evict each other.
+        "offload": ["--kv-offload-gb", "0.05", "--num-blocks", "16", "--max-model-len", "256"],
+    }
+    procs = {}
+    try:
+        for name, args in specs.items():
+            procs[name] = ServerProcess(DEFAULT_ARGS + args)
+        for p in procs.values():
+            p.wait_healthy()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _metric(srv, name):
+    return metric_value(httpx.get(srv.url + "/metrics", timeout=10).text, name, {"model_name": MODEL}) or 0.0
+
+
+def _prefill(srv, body: dict, api: str = "/v1/completions") -> dict:
+    """The toy proxy's first leg: the prefill instance's response (its kv_transfer_params)."""
+    req = dict(body, stream=False, max_tokens=1,
+               kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                   "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    r = httpx.post(srv.url + api, json=req, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def _eventually(check, timeout: float = 30.0) -> bool:
+    """Whether check() turns true within the timeout (acknowledgements and frees are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def _text(resp: dict) -> str:
+    c = resp["choices"][0]
+    return c["text"] if "text" in c else c["message"]["content"]
+
+
+def _complete(srv, body: dict, api: str = "/v1/completions") -> dict:
+    r = httpx.post(srv.url + api, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_disaggregated_greedy_text_equals_colocated_and_decode_computes_one_prompt_token(servers):
+    prefill, decode = servers["prefill"], servers["decode"]
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0} for p in PROMPTS]
+    bodies.append({"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}],
+                   "max_tokens": 16, "temperature": 0})
+    apis = ["/v1/completions"] * len(PROMPTS) + ["/v1/chat/completions"]
+    reference = [_text(_complete(prefill, b, api)) for b, api in zip(bodies, apis)]  # before any PD request
+    computed0 = _metric(decode, "splitserve:prompt_tokens_computed_total")
+    received0 = _metric(decode, "splitserve:kv_transfer_received_tokens_total")
+    prompt_tokens = 0
+    for body, api, ref in zip(bodies, apis, reference):
+        first = _prefill(prefill, body, api)
+        params = first["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+        assert {"remote_engine_id", "remote_host", "remote_port", "remote_request_id"} <= params.keys()
+        out = _complete(decode, dict(body, kv_transfer_params=params), api)
+        assert _text(out) == ref
+        prompt_tokens += out["usage"]["prompt_tokens"]
+    n = len(bodies)
+    assert _metric(decode, "splitserve:prompt_tokens_computed_total") - computed0 == n  # one per request
+    assert _metric(decode, "splitserve:kv_transfer_received_tokens_total") - received0 == prompt_tokens
+    assert _metric(decode, "splitserve:kv_transfer_time_seconds_count") >= n
+    assert _metric(decode, "splitserve:kv_transfer_failed_total") == 0
+    # Every held block was read and acknowledged: nothing stays held on the producer (the lease is 30 s).
+    assert _eventually(lambda: _metric(prefill, "splitserve:kv_transfer_held_requests") == 0, timeout=10)
+    assert _metric(prefill, "splitserve:kv_transfer_sent_tokens_total") >= prompt_tokens
+
+
+def test_unread_prefill_blocks_are_released_when_the_client_leaves_the_decode_side(servers):
+    """A decode request aborted by its client frees its blocks there; the prefill side's held blocks
+    go back when the (still running) read acknowledges, or at lease end."""
+    prefill, decode = servers["prefill"], servers["decode"]
+    body = {"model": MODEL, "prompt": PROMPTS[1] * 3, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    params = _prefill(prefill, body)["kv_transfer_params"]
+    with httpx.stream("POST", decode.url + "/v1/completions", json=dict(body, kv_transfer_params=params),
+                      timeout=120) as r:
+        for _ in r.iter_lines():
+            break  # the client leaves after the first event
+    assert _eventually(lambda: _metric(decode, "splitserve:num_requests_running") == 0
+                       and _metric(decode, "splitserve:kv_cache_usage_perc") == 0)
+    assert _eventually(lambda: _metric(prefill, "splitserve:kv_transfer_held_requests") == 0, timeout=10)
+
+
+def test_prefill_killed_recompute_completes_and_fail_errors_clearly(servers):
+    """Runs last in the module: it kills the prefill instance."""
+    prefill, decode, decode_fail = servers["prefill"], servers["decode"], servers["decode_fail"]
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 16, "temperature": 0}
+    reference = _text(_complete(prefill, body))
+    params = [_prefill(prefill, body)["kv_transfer_params"] for _ in range(2)]
+    os.kill(prefill.proc.pid, signal.SIGKILL)
+    prefill.proc.wait(timeout=30)
+    failed0 = _metric(decode, "splitserve:kv_transfer_failed_total")
+    out = _complete(decode, dict(body, kv_transfer_params=params[0]))
+    assert _text(out) == reference                                # prefilled on the decode side instead
+    assert _metric(decode, "splitserve:kv_transfer_failed_total") == failed0 + 1
+    r = httpx.post(decode_fail.url + "/v1/completions", json=dict(body, kv_transfer_params=params[1]), timeout=60)
+    assert r.status_code == 500, r.text
+    msg = r.json()["error"]["message"]
+    assert "did not answer" in msg and "kv_load_timeout" in msg, msg
+    # Both consumers are idle and whole afterwards.
+    for srv in (decode, decode_fail):
+        assert _eventually(lambda: _metric(srv, "splitserve:num_requests_running") == 0
+                           and _metric(srv, "splitserve:kv_cache_usage_perc") == 0)
+
+
+def test_offloading_multi_turn_chat_hits_host_memory_with_the_same_text(servers):
+    """A conversation whose prefix a filler request evicts from a 16-block pool between turns: the
+    offload server finds it in host memory, and answers as a server with a large pool does."""
+    small, big = servers["offload"], servers["decode"]
+
+    def filler(i: int) -> dict:  # ~230 tokens, a new first block each time (so no prefix hits of its own)
+        return {"model": MODEL, "prompt": f"Story {i}. " + "Tell me about the history of the printing press. " * 21,
+                "max_tokens": 1, "temperature": 0}
+
+    def converse(srv, evict: bool) -> list[str]:
+        messages = [{"role": "system", "content": "You are a concise assistant. " * 8}]
+        replies = []
+        for i, question in enumerate(("What is a prime number?", "Give an example.", "Why is it prime?")):
+            messages.append({"role": "user", "content": question})
+            out = _complete(srv, {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0},
+                            "/v1/chat/completions")
+            replies.append(out["choices"][0]["message"]["content"])
+            messages.append({"role": "assistant", "content": replies[-1]})
+            if evict:
+                _complete(srv, filler(i))
+        return replies
+
+    hits0 = _metric(small, "splitserve:kv_transfer_offload_hit_tokens_total")
+    assert converse(small, evict=True) == converse(big, evict=False)
+    assert _metric(small, "splitserve:kv_transfer_offload_saved_blocks_total") > 0
+    assert _metric(small, "splitserve:kv_transfer_offload_hit_tokens_total") - hits0 >= 2 * 16
+
+
+def test_tensor_parallel_prefill_to_one_rank_decode(tiny_model_dir):
+    """Prefill on two ranks (gloo), decode on one, the tiny model (2 KV heads: one per prefill rank):
+    the decode instance reads each rank's heads and answers as it does alone."""
+    from reliability_support import TINY_ARGS
+    kv_port = free_port()
+    prefill = ServerProcess([tiny_model_dir, *TINY_ARGS, "-tp", "2", "--cpu-kv-cache-gib", "0.05",
+                             *_tcp("kv_producer", kv_port=kv_port)])
+    decode = ServerProcess([tiny_model_dir, *TINY_ARGS, "--cpu-kv-cache-gib", "0.05", *_tcp("kv_consumer")])
+    try:
+        prefill.wait_healthy(timeout=600)
+        decode.wait_healthy()
+        for prompt in ("Once upon a time", "The quick brown fox jumps over the lazy dog. " * 3):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            reference = _text(_complete(decode, body))                 # colocated, one rank
+            params = _prefill(prefill, body)["kv_transfer_params"]
+            assert params["tp_size"] == 2
+            assert _text(_complete(decode, dict(body, kv_transfer_params=params))) == reference
+        tiny = {"model_name": "tiny"}
+        text = httpx.get(decode.url + "/metrics", timeout=10).text
+        assert metric_value(text, "splitserve:kv_transfer_failed_total", tiny) == 0
+        assert metric_value(text, "splitserve:kv_transfer_received_tokens_total", tiny) > 0
+        assert _eventually(lambda: metric_value(httpx.get(prefill.url + "/metrics", timeout=10).text,
+                                                "splitserve:kv_transfer_held_requests", tiny) == 0, timeout=10)
+    finally:
+        prefill.stop()
+        decode.stop()
