@@ -41,17 +41,22 @@ fi
 serve 8011 a.log --gpu-memory-utilization 0.45; a=$PID
 serve 8012 b.log --gpu-memory-utilization 0.45; b=$PID
 wait_up 8011 || exit 1; wait_up 8012 || exit 1
-python -m splitserve router --worker-urls http://127.0.0.1:8011 http://127.0.0.1:8012 --policy ${POLICY:-round_robin} \
-    --port 8020 --metrics-port 8021 >"$out/router.log" 2>&1 &
+for policy in ${POLICIES:-round_robin}; do
+python -m splitserve router --worker-urls http://127.0.0.1:8011 http://127.0.0.1:8012 --policy $policy \
+    --port 8020 --metrics-port 8021 >"$out/router_$policy.log" 2>&1 &
 router=$!
 up=0
 for _ in $(seq 60); do curl -sf http://127.0.0.1:8020/health >/dev/null && { up=1; break; }; sleep 1; done
-[ $up = 1 ] || { echo "the router did not come up:"; tail -20 "$out/router.log"; }
+[ $up = 1 ] || { echo "the router did not come up:"; tail -20 "$out/router_$policy.log"; }
 for s in 1 2; do
-  bench 8011 $hrate $((seed0 + 10 + s)) directA_$s $half & bench 8012 $hrate $((seed0 + 20 + s)) directB_$s $half; wait
-  bench 8020 $rate $((seed0 + s)) router_$s $n
+  bench 8011 $hrate $((seed0 + 10 + s)) directA_$s $half & p1=$!
+  bench 8012 $hrate $((seed0 + 20 + s)) directB_$s $half & p2=$!
+  wait $p1 $p2  # (a bare `wait` would wait for the servers too)
+  bench 8020 $rate $((seed0 + s)) router_${policy}_$s $n
 done
-kill -TERM $router $a $b; wait
+kill -TERM $router; wait $router
+done
+kill -TERM $a $b; wait $a $b
 
 python - "$out" <<'EOF'
 import json, sys, os
@@ -63,7 +68,8 @@ def row(name):
             ms(m["itl"], "p99"), m["completed"])
 print("| run | median TTFT | median TPOT | median ITL | P99 TTFT | P99 ITL | completed |")
 print("|---|---|---|---|---|---|---|")
-for name in ["one_1", "one_2", "dp2_1", "dp2_2", "directA_1", "directB_1", "router_1", "directA_2", "directB_2", "router_2"]:
+names = sorted(f[:-5] for f in os.listdir(out) if f.endswith(".json"))
+for name in names:
     try:
         r = row(name)
         print(f"| {name} | " + " | ".join(f"{x:.2f}" if isinstance(x, float) else str(x) for x in r) + " |")
