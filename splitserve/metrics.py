@@ -91,6 +91,19 @@ class _EngineStateCollector(Collector):
         yield counter("splitserve:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hits)
         yield counter("splitserve:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
                       s.num_preemptions)
+        if s.spec_accepted_per_pos:  # speculative decoding is on (vLLM's spec_decode families)
+            yield counter("splitserve:spec_decode_num_drafts", "Sequence steps that verified draft tokens.",
+                          s.spec_num_drafts)
+            yield counter("splitserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          s.spec_num_draft_tokens)
+            yield counter("splitserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily("splitserve:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft (0: the first).",
+                                          labels=labels + ["position"])
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric(value + [str(pos)], n)
+            yield per_pos
 
 
 class _Renamed(Collector):

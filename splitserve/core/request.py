@@ -86,6 +86,11 @@ class Request:
     # passed on to the worker with NewRequestData.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
+    # Speculative decoding: drafts the worker proposed for its next step (scheduled if they fit), and
+    # how many tokens the last step's results gave it (several when drafts were accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+
     _encoder_hash: int | None = None
 
     @property

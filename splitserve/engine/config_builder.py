@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
-                               ParallelConfig, SchedulerConfig)
+                               ParallelConfig, SchedulerConfig, SpeculativeConfig)
 
 
 def check_device(device: str) -> None:
@@ -28,6 +28,33 @@ def lora_config(args) -> LoRAConfig | None:
     env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true", "yes")
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
                       args.allow_runtime_lora or env, args.lora_allowed_dir)
+
+
+def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
+    """The speculative-decoding section: the options checked, a draft model's config read (not its
+    weights) and checked against the target's vocabulary."""
+    if args.speculative_config is None:
+        return None
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config: speculative decoding runs with one rank only for now "
+                         "(tensor_parallel_size = pipeline_parallel_size = 1)")
+    if spec.method != "draft_model":
+        return spec
+    from dataclasses import replace
+
+    from splitserve.loading.resolve import resolve_model
+    from splitserve.models.loader import load_hf_config
+    source = resolve_model(spec.model)
+    draft = load_hf_config(source)
+    if draft.vocab_size != hf_config.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
+                         f"the target's ({hf_config.vocab_size}); a draft model must share the target's tokenizer")
+    context = getattr(draft, "max_position_embeddings", None) or 2048
+    if context < max_model_len:
+        raise ValueError(f"speculative_config: the draft model's context ({context}) is shorter than max_model_len "
+                         f"({max_model_len})")
+    return replace(spec, draft_source=source, draft_hf_config=draft)
 
 
 def build_engine_config(args) -> EngineConfig:
@@ -73,6 +100,7 @@ def build_engine_config(args) -> EngineConfig:
                                 args.master_addr, args.master_port, args.distributed_timeout_s, args.step_timeout_s),
         load=LoadConfig(source, tokenizer_source, args.random_weights),
         lora=lora_config(args),
+        speculative=speculative_config(args, hf_config, max_model_len),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),

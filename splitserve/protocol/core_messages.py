@@ -75,6 +75,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_hits: int = 0
     num_preemptions: int = 0
     num_received: int = 0   # sequences the core has taken in (the front counts those it sent)
+    # Speculative decoding (vLLM's spec_decode counters): sequences that verified drafts, their draft
+    # tokens, the accepted ones, and accepted drafts by position (0 = the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

@@ -20,6 +20,7 @@ from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.protocol.sched_output import SchedulerOutput
 from splitserve.layers.linear import cheaper_at_one_row
+from splitserve.layers.rejection_sampler import RejectionSampler, VerifyLayout
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.models.interfaces import capabilities_of
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -27,6 +28,7 @@ from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs,
                                                prompt_logprobs_by_request)
 from splitserve.worker.sampling_metadata import build_sampling_metadata
+from splitserve.worker.spec_decode import NgramProposer, expand_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,8 @@ class _Staging:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.tensors = {
             "input_ids": buf(max_tokens, torch.long), "positions": buf(max_tokens, torch.long),
-            "slot_mapping": buf(max_tokens, torch.long), "logits_indices": buf(max_seqs, torch.long),
+            # logits rows: one per sampling sequence, and one per draft token of verifying ones
+            "slot_mapping": buf(max_tokens, torch.long), "logits_indices": buf(max(max_seqs, max_tokens), torch.long),
             "query_start_loc": buf(max_seqs + 1, torch.int32), "seq_lens": buf(max_seqs, torch.int32),
             "block_tables": buf(max_seqs * max_blocks, torch.int32),
             "fill_dst": buf(max_seqs, torch.long), "fill_src": buf(max_seqs, torch.long)}
@@ -67,6 +70,11 @@ class InFlightStep:
     awaiting_mask: tuple | None = None
     # prompt_logprobs: the plan and (values, ids, ranks) on the host, copied without blocking
     prompt_logprobs: tuple[PromptLogprobsPlan, tuple] | None = None
+    # Speculative decoding: the verify layout of its sampling rows (None: no row verifies drafts),
+    # and the drafts each sampling row checked (host lists, in row order).
+    verify: VerifyLayout | None = None
+    drafts: list[list[int]] | None = None
+    propose: bool = False  # drafts are proposed from its tokens at collect
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -135,6 +143,9 @@ class ForwardBatch:
     # the results on the device once the model has run.
     prompt_logprobs: PromptLogprobsPlan | None = None
     prompt_logprobs_out: tuple | None = None
+    # Speculative decoding: the drafts each sampling row verifies (None: none in this step).
+    verify: VerifyLayout | None = None
+    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -145,6 +156,12 @@ class StepResult:
     logprob_ranks: dict[str, int] = field(default_factory=dict)
     # prompt_logprobs computed this step: {id: (first prompt-token index, entries, ranks)}, plain data
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
+    # Speculative decoding: the tokens after the first of requests that accepted drafts (and their
+    # logprobs and ranks, when asked), and drafts proposed for each request's next step.
+    more_tokens: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    more_logprob_ranks: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -155,6 +172,13 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler()
+        # Speculative decoding (worker/spec_decode.py): the drafts' proposer and their verifier.
+        self.spec = config.speculative
+        self.verifier = RejectionSampler(self.sampler) if self.spec is not None else None
+        self.proposer = None
+        if self.spec is not None and self.spec.method == "ngram":
+            self.proposer = NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                                          self.spec.prompt_lookup_max)
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
         # The cache's element type: the model's, or FP8 e4m3 (1 byte: twice the tokens of bf16 in the
@@ -322,6 +346,18 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)
         last = qsl[1:].astype(np.int64) - 1  # flat row of each sequence's last token
+        # Speculative decoding: a verifying sequence's drafts follow its known tokens in its row
+        # (tentatively: collect keeps the accepted ones); ends = where its verified tokens end.
+        num_drafts = np.zeros(num_seqs, dtype=np.int64)
+        if sched.spec_token_ids:
+            index = {rid: i for i, rid in enumerate(nst)}
+            for rid, ids in sched.spec_token_ids.items():
+                i, row = index[rid], rows[index[rid]]
+                num_drafts[i] = len(ids)
+                known = ib.num_known[row]
+                assert known == ib.num_tokens[row], "drafts of a request with a token in flight"
+                ib.token_ids[row, known:known + len(ids)] = ids
+        ends = seq_lens - num_drafts
 
         # position of every token = its sequence's start + offset within the step's chunk
         seq_index = np.repeat(np.arange(num_seqs), counts)
@@ -337,24 +373,37 @@ class ModelRunner:
 
         # A sequence whose last input is past its known tokens runs on the token the in-flight step
         # sampled for it (async scheduling); only the last input can be pending.
-        pending = np.flatnonzero(seq_lens > ib.num_known[rows])
+        pending = np.flatnonzero(ends > ib.num_known[rows])
         # Sequences whose tokens are all computed after this step sample their next token.
-        samples = np.flatnonzero(seq_lens == ib.num_tokens[rows])
+        samples = np.flatnonzero(ends == ib.num_tokens[rows])
         sample_rows = rows[samples]
         num_samples = len(samples)
-        st.logits_indices[:num_samples] = last[samples]
         sample_requests = [ib.row_states[r] for r in sample_rows.tolist()]
         meta_sampling = None
         if num_samples:
             meta_sampling = build_sampling_metadata(ib, sample_rows, sample_requests,
-                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device,
+                                                    ends[samples] - ib.num_prompt[sample_rows], self.device,
                                                     sched.grammar)
+        verify = drafts = None
+        if sched.spec_token_ids and num_samples:
+            # d + 1 logits rows per sampling sequence: its last token's and each draft's.
+            spec = sched.spec_token_ids
+            drafts = [spec.get(state.req_id, []) for state in sample_requests]
+            verify = VerifyLayout.build(drafts)
+            d = num_drafts[samples]
+            first = np.repeat(last[samples] - d, d + 1)
+            st.logits_indices[:verify.num_rows] = first + np.arange(verify.num_rows) - verify.row_start.repeat(d + 1)
+            meta_sampling = expand_metadata(meta_sampling, d + 1)
+            num_logits = verify.num_rows
+        else:
+            st.logits_indices[:num_samples] = last[samples]
+            num_logits = num_samples
         fill_src = None
         if len(pending):
             assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
             pending_rows = rows[pending]
             assert (ib.pending_step[pending_rows] == inflight.step_no).all(), "pending token of another step"
-            assert (seq_lens[pending] == ib.num_known[pending_rows] + 1).all(), "more than one pending input"
+            assert (ends[pending] == ib.num_known[pending_rows] + 1).all(), "more than one pending input"
             st.fill_dst[:len(pending)] = last[pending]
             st.fill_src[:len(pending)] = fill_src = ib.pending_src[pending_rows]
         # Before record_launch: rows that sample now have sampled nothing yet.
@@ -382,8 +431,9 @@ class ModelRunner:
             input_ids=input_ids,
             positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
-            logits_indices=t["logits_indices"][:num_samples].to(dev, non_blocking=True),
-            sample_requests=sample_requests, sampling_metadata=meta_sampling, prompt_logprobs=plan)
+            logits_indices=t["logits_indices"][:num_logits].to(dev, non_blocking=True),
+            sample_requests=sample_requests, sampling_metadata=meta_sampling, prompt_logprobs=plan,
+            verify=verify, drafts=drafts)
         if self.mm is not None:
             # Sequences that compute tokens before the end of their last image run.
             mm = np.flatnonzero(starts < ib.mm_end[rows])
@@ -433,7 +483,8 @@ class ModelRunner:
             self.encdec.prepare(sched, batch.meta, self.input_batch)
         if self.mm is not None and batch.mm_spans:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
-        step = InFlightStep(sched, batch.sample_requests, step_no)
+        step = InFlightStep(sched, batch.sample_requests, step_no, verify=batch.verify, drafts=batch.drafts,
+                            propose=self._proposes(batch))
         logits = self._forward_logits(batch)
         if self.mm is not None:  # images of waiting requests, encoded beside this step's forward
             self.mm.prefetch(sched)
@@ -445,7 +496,9 @@ class ModelRunner:
         if logits is not None and sched.grammar is not None and sched.grammar.bitmask is None:
             batch.sampling_metadata.grammar_after_launch = True
             step.awaiting_mask = (logits, batch.sampling_metadata)  # `sample` finishes the step
-            step.needs_sync = batch.sampling_metadata.needs_host_tokens  # known before it samples
+            # known before it samples; drafts are proposed from the step's tokens, which the next
+            # step's schedule needs: such a step is collected before the next one is launched
+            step.needs_sync = batch.sampling_metadata.needs_host_tokens or step.propose
             return step
         if logits is not None:
             self._sample(step, logits, batch.sampling_metadata)
@@ -462,10 +515,25 @@ class ModelRunner:
         self._sample(step, logits, meta)
         self._record_done(step)
 
+    def _proposes(self, batch: ForwardBatch) -> bool:
+        """Whether drafts are proposed from this step's tokens: speculation is on and the running
+        batch is below disable_by_batch_size (the scheduler makes the same cut)."""
+        spec = self.spec
+        return (spec is not None and bool(batch.sample_requests)
+                and (spec.disable_by_batch_size is None or self.input_batch.num_reqs < spec.disable_by_batch_size))
+
     def _sample(self, step: InFlightStep, logits: torch.Tensor, meta) -> None:
+        if step.verify is not None:
+            out = self.verifier(logits, meta, step.verify)
+            step.token_ids = out.first_token
+            step.needs_sync = True  # the verified tokens decide the next step's inputs and drafts
+            step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
+                              for x in (out.first_token, out.logprobs, out.logprob_ids, out.logprob_ranks,
+                                        out.num_accepted, out.next_token))
+            return
         out = self.sampler(logits, meta)
         step.token_ids = out.token_ids
-        step.needs_sync = out.needs_host_tokens
+        step.needs_sync = out.needs_host_tokens or step.propose
         # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
         step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
                           for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
@@ -487,6 +555,8 @@ class ModelRunner:
             if step.prompt_logprobs is not None else {}
         if step.token_ids is None:
             return StepResult({}, {}, prompt_logprobs=prompt)
+        if step.verify is not None:
+            return self._collect_verified(step, prompt)
         token_ids, logprob_vals, logprob_ids, logprob_ranks = step.host
         tokens = token_ids.tolist()
         states = step.sample_requests
@@ -502,4 +572,52 @@ class ModelRunner:
                         entry.setdefault(t, v)
                     logprobs[r.req_id] = entry
                     ranks[r.req_id] = all_ranks[i]
-        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks, prompt)
+        result = StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks, prompt)
+        if step.propose:
+            result.draft_token_ids = self._propose(states)
+        return result
+
+    def _collect_verified(self, step: InFlightStep, prompt: dict) -> StepResult:
+        """A verify step's results: each row's accepted drafts and the token after them recorded in
+        the persistent batch (its computed count back by the rejected drafts), with their logprobs."""
+        _, logprob_vals, logprob_ids, logprob_ranks, num_accepted, next_token = step.host
+        states, drafts, layout = step.sample_requests, step.drafts, step.verify
+        accepted, nexts = num_accepted.tolist(), next_token.tolist()
+        new_tokens = [d[:m] + [t] for d, m, t in zip(drafts, accepted, nexts)]
+        self.input_batch.record_verified(states, new_tokens, [len(d) - m for d, m in zip(drafts, accepted)])
+        result = StepResult({s.req_id: t[0] for s, t in zip(states, new_tokens)}, {}, prompt_logprobs=prompt)
+        for state, tokens in zip(states, new_tokens):
+            if len(tokens) > 1:
+                result.more_tokens[state.req_id] = tokens[1:]
+        if logprob_vals is not None:
+            vals, tok_ids, all_ranks = logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist()
+            for state, tokens, start in zip(states, new_tokens, layout.row_start.tolist()):
+                k = state.sampling_params.logprobs
+                if k is None:
+                    continue
+                entries = []
+                for r in range(start, start + len(tokens)):
+                    entry = {tok_ids[r][0]: vals[r][0]}
+                    for t, v in zip(tok_ids[r][1:1 + k], vals[r][1:1 + k]):
+                        entry.setdefault(t, v)
+                    entries.append(entry)
+                rank_list = all_ranks[start:start + len(tokens)]
+                result.logprobs[state.req_id], result.logprob_ranks[state.req_id] = entries[0], rank_list[0]
+                if len(tokens) > 1:
+                    result.more_logprobs[state.req_id] = entries[1:]
+                    result.more_logprob_ranks[state.req_id] = rank_list[1:]
+        if step.propose:
+            result.draft_token_ids = self._propose(states)
+        return result
+
+    def _propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
+        """N-gram drafts for each sampling request still in the batch that may speculate."""
+        ib, out = self.input_batch, {}
+        if self.proposer is None:
+            return out
+        for state in states:
+            if state.row >= 0 and state.sampling_params.allows_speculation:
+                drafts = self.proposer.propose(ib.token_ids[state.row, :ib.num_known[state.row]])
+                if drafts:
+                    out[state.req_id] = drafts
+        return out

@@ -1,0 +1,79 @@
+"""The worker's side of speculative decoding: n-gram drafts and the per-row sampling data of a verify step.
+
+Flow (the scheduler's side is in core/scheduler.py): after a step's tokens are known, the worker
+proposes up to k drafts for each sequence that sampled (`StepResult.draft_token_ids`); the scheduler
+keeps them on the request and, in the next step, schedules the sequence's last token plus the drafts
+it accepts to run (budget, max_tokens, the context) and sends them in `SchedulerOutput.spec_token_ids`.
+The runner writes the drafts after the row's known tokens, runs them as a short prefill over the
+paged KV, takes d + 1 logits rows for the sequence and verifies them (layers/rejection_sampler.py).
+At collect the row gains the accepted drafts and one more token, and its computed count goes back
+by the rejected drafts: their K/V slots hold garbage that the next step overwrites (the blocks stay
+with the request; the scheduler rolls its count back the same way and never registers a block with
+rejected slots in the prefix cache).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from splitserve.layers.sampling_metadata import PenaltyRow, SamplingMetadata
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the sequence (prompt_lookup_max tokens down to
+    prompt_lookup_min) that occurred earlier proposes the k tokens that followed its latest earlier
+    occurrence."""
+
+    def __init__(self, k: int, min_n: int, max_n: int):
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, tokens: np.ndarray) -> list[int]:
+        L = len(tokens)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = tokens[L - n:]
+            # Starts i < L - n of earlier windows tokens[i:i + n] equal to the suffix (vectorised per offset).
+            match = tokens[:L - n] == suffix[0]
+            for j in range(1, n):
+                match &= tokens[j:L - n + j] == suffix[j]
+            hits = np.flatnonzero(match)
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start:start + self.k].tolist()
+        return []
+
+
+def expand_metadata(meta: SamplingMetadata, repeats: np.ndarray) -> SamplingMetadata:
+    """Sampling data of a verify step's logits rows: sequence i's parameters over repeats[i]
+    consecutive rows (its drafts + 1). Sequences with penalties, several-token bad words, grammars
+    or min_tokens bans have no drafts (SamplingParams.allows_speculation, the scheduler's checks), so
+    their per-row lists only move to the sequence's first row."""
+    starts = np.zeros(len(repeats), dtype=np.int64)
+    np.cumsum(repeats[:-1], out=starts[1:])
+    R = int(repeats.sum())
+
+    def rep(a):
+        return None if a is None else np.repeat(a, repeats)
+
+    def rows_of(seq_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every (row) for each entry of seq_rows, and the entry index each comes from."""
+        r = repeats[seq_rows]
+        first = np.repeat(starts[seq_rows], r)
+        within = np.arange(int(r.sum())) - np.repeat(np.cumsum(r) - r, r)
+        return first + within, np.repeat(np.arange(len(seq_rows)), r)
+
+    out = SamplingMetadata(R, meta.all_greedy, rep(meta.greedy), rep(meta.temperature), rep(meta.top_k),
+                           rep(meta.top_p), rep(meta.min_p), max_num_logprobs=meta.max_num_logprobs,
+                           grammar_after_launch=meta.grammar_after_launch, reads_history=meta.reads_history)
+    for i, g in meta.generators.items():
+        for r in range(int(starts[i]), int(starts[i] + repeats[i])):
+            out.generators[r] = g
+    out.penalties = [PenaltyRow(int(starts[p.row]), p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                                p.prompt_token_ids, p.output_token_ids) for p in meta.penalties]
+    if meta.bias_rows is not None:
+        out.bias_rows, src = rows_of(meta.bias_rows)
+        out.bias_token_ids, out.bias_values = meta.bias_token_ids[src], meta.bias_values[src]
+    if meta.allowed_rows is not None:
+        out.allowed_rows, src = rows_of(meta.allowed_rows)
+        out.allowed_token_ids = meta.allowed_token_ids[src]
+    if meta.grammar_rows is not None:
+        out.grammar_rows, out.grammar_bitmask = starts[meta.grammar_rows], meta.grammar_bitmask
+    return out
