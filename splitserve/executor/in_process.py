@@ -44,7 +44,12 @@ class InProcessExecutor:
                 from splitserve.lora.worker import build_worker
                 self.lora = build_manager(config, pin_memory=next(model.parameters()).is_cuda)
                 lora_worker = build_worker(config, model)
-            self.runner = ModelRunner(config, model, lora_worker)
+            draft = None
+            spec = config.speculative
+            if spec is not None and spec.method == "draft_model":  # a second model in this worker
+                _, draft = load_model(spec.draft_source, spec.draft_hf_config, m.dtype, device,
+                                      config.load.random_weights, None, m.max_model_len)
+            self.runner = ModelRunner(config, model, lora_worker, draft)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)
             if bytecode is not None:

@@ -165,7 +165,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, lora=None):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, lora=None, draft_model=None):
         self.config = config
         self.lora = lora  # lora.worker.LoRAWorker when LoRA is enabled
         self.model = model
@@ -179,6 +179,7 @@ class ModelRunner:
         if self.spec is not None and self.spec.method == "ngram":
             self.proposer = NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
                                           self.spec.prompt_lookup_max)
+        self.drafter = None  # worker.draft_model.DraftModelProposer: a second model with its own KV tensors
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
         # The cache's element type: the model's, or FP8 e4m3 (1 byte: twice the tokens of bf16 in the
@@ -207,6 +208,13 @@ class ModelRunner:
             from splitserve.worker.encoder_decoder import EncoderDecoderStep
             self.encdec = EncoderDecoderStep(model, self.backend, config.scheduler.max_num_seqs,
                                              config.scheduler.max_num_batched_tokens, self.block_size, self.device)
+        if draft_model is not None:
+            if self.mm is not None or self.encdec is not None:
+                raise ValueError("speculative_config: a draft model serves text decoder models only")
+            from splitserve.worker.draft_model import DraftModelProposer
+            self.drafter = DraftModelProposer(draft_model, self.spec.draft_hf_config, self.spec.num_speculative_tokens,
+                                              self.block_size, self.max_blocks_per_seq, self.backend,
+                                              self.kv_cache_dtype, self.device)
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_layout(self) -> tuple[int, int]:
@@ -222,7 +230,9 @@ class ModelRunner:
         m = self.config.model
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         num_layers, num_kv_heads = self.kv_layout()
-        return 2 * self.block_size * num_kv_heads * m.head_dim * elem * num_layers
+        # (a draft model's cache has the same blocks: budgeted together)
+        draft = self.drafter.bytes_per_block() if self.drafter is not None else 0
+        return 2 * self.block_size * num_kv_heads * m.head_dim * elem * num_layers + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -254,6 +264,8 @@ class ModelRunner:
             # A cross-attention layer shares its decoder layer's tensor (its blocks are another group's).
             if isinstance(module, Attention) or getattr(module, "shares_layer_kv_cache", False):
                 module.kv_cache = self.kv_caches[module.layer_idx]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block() / (1 << 30), str(self.kv_cache_dtype).removeprefix("torch."))
 
@@ -317,6 +329,8 @@ class ModelRunner:
         launch)."""
         if self.lora is not None:
             self.lora.apply_loads(sched.lora_loads)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids + sched.preempted_req_ids)
         self.input_batch.update(sched)
         if self.encdec is not None:
             self.encdec.update(sched)
@@ -330,6 +344,8 @@ class ModelRunner:
         ib = self.input_batch
         if self.lora is not None:  # slots first: new rows look their adapter's slot up
             self.lora.apply_loads(sched.lora_loads)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids + sched.preempted_req_ids)
         ib.update(sched)
         bs = self.block_size
         st = self.stagings[self.num_launched % 2]
@@ -486,6 +502,8 @@ class ModelRunner:
         step = InFlightStep(sched, batch.sample_requests, step_no, verify=batch.verify, drafts=batch.drafts,
                             propose=self._proposes(batch))
         logits = self._forward_logits(batch)
+        if self.drafter is not None:  # its cache follows the target's
+            self.drafter.run_step(batch.input_ids, batch.positions, batch.meta)
         if self.mm is not None:  # images of waiting requests, encoded beside this step's forward
             self.mm.prefetch(sched)
         if batch.prompt_logprobs_out is not None:
@@ -524,7 +542,9 @@ class ModelRunner:
 
     def _sample(self, step: InFlightStep, logits: torch.Tensor, meta) -> None:
         if step.verify is not None:
-            out = self.verifier(logits, meta, step.verify)
+            q = None if self.drafter is None else self.drafter.draft_probs(
+                step.sample_requests, step.drafts, step.verify, logits.shape[1])
+            out = self.verifier(logits, meta, step.verify, q)
             step.token_ids = out.first_token
             step.needs_sync = True  # the verified tokens decide the next step's inputs and drafts
             step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
@@ -611,8 +631,10 @@ class ModelRunner:
         return result
 
     def _propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
-        """N-gram drafts for each sampling request still in the batch that may speculate."""
+        """Drafts for each sampling request still in the batch that may speculate."""
         ib, out = self.input_batch, {}
+        if self.drafter is not None:
+            return self.drafter.propose(ib, states)
         if self.proposer is None:
             return out
         for state in states:
