@@ -61,6 +61,9 @@ class InProcessExecutor:
         self.model = model
         # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
         self.kv_free_window = kv_free_window(model)
+        if draft is not None and self.kv_free_window is not None:  # the draft reads the same blocks
+            draft_window = kv_free_window(draft)
+            self.kv_free_window = None if draft_window is None else max(self.kv_free_window, draft_window)
         if config.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
             seed_everything(config.seed)
 

@@ -103,3 +103,17 @@ def test_stats_line_while_busy_and_quiet_when_idle():
     assert "0.0 tokens/s" in log.line(now=9.0)  # still running: reported even without new tokens
     stats = SchedulerStats(prefix_queries=40, prefix_hits=10)
     assert log.line(now=11.0) is None  # idle
+
+
+def test_spec_decode_counters_under_both_names():
+    stats = SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=9,
+                           spec_accepted_per_pos=[4, 3, 2, 0])
+    text = ServerMetrics("m", lambda: stats, cache_info=CACHE, compat="vllm").render().decode()
+    for prefix in ("splitserve:", "vllm:"):
+        assert sample(text, prefix + "spec_decode_num_drafts_total", model_name="m") == 5
+        assert sample(text, prefix + "spec_decode_num_draft_tokens_total", model_name="m") == 20
+        assert sample(text, prefix + "spec_decode_num_accepted_tokens_total", model_name="m") == 9
+        assert sample(text, prefix + "spec_decode_num_accepted_tokens_per_pos_total", model_name="m",
+                      position="1") == 3
+    # without speculation the families are absent
+    assert "spec_decode" not in ServerMetrics("m", SchedulerStats, cache_info=CACHE).render().decode()

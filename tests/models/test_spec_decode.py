@@ -61,7 +61,7 @@ def test_greedy_tokens_and_logprobs_equal_speculation_off(spec, reference):
             assert all(abs(float(a[t]) - float(b[t])) < 1e-3 for t in a)
     drafted, accepted = spec_counters(spec)
     assert accepted > 0 and drafted > accepted
-    assert spec.engine.kv_manager.pool.is_whole() or spec.engine.kv_manager.enable_prefix_caching
+    assert spec.engine.kv_manager.pool.is_whole()
 
 
 def test_stop_strings_max_tokens_and_n(spec, reference):
@@ -93,6 +93,23 @@ def test_prefix_hits_and_structured_output_in_the_same_batch(spec, reference):
     assert spec.engine.kv_manager.prefix_hits > hits_before
 
 
+def test_draft_model_equal_to_the_target_accepts_everything(reference):
+    """The default model drafting for itself: greedy tokens equal speculation off, every draft accepted
+    (with logprobs, and n = 2 sampled with a seed: equal draws, so q = p and nothing is rejected)."""
+    llm = LLM(None, speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3},
+              **SMALL)
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in reference[1:3]]
+    drafted, accepted = spec_counters(llm)
+    assert drafted == accepted > 0
+    sampled = llm.generate(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, n=2, seed=5),
+                           use_tqdm=False)[0].outputs
+    assert [len(o.token_ids) for o in sampled] == [12, 12]
+    assert spec_counters(llm)[0] == spec_counters(llm)[1]
+    assert llm.engine.kv_manager.pool.is_whole()
+
+
 def test_async_scheduling_and_preemptions(reference):
     """A pool of 12 blocks of 16 tokens for four ~40-token prompts growing to ~72: preemptions happen
     while drafts are verified."""
@@ -102,7 +119,6 @@ def test_async_scheduling_and_preemptions(reference):
     assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in reference]
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert spec_counters(llm)[1] > 0
-    llm.engine.kv_manager.pool.reset_prefix_cache()
     assert llm.engine.kv_manager.pool.is_whole()
 
 
@@ -111,10 +127,20 @@ VOCAB = 16
 SAMPLES = 4000
 
 
+def _tiny(tmp_path_factory, seed: int) -> str:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-spec"), load_tokenizer(None), num_kv_heads=2,
+                               tie=True, seed=seed, vocab_size=VOCAB, initializer_range=0.05)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-spec"), load_tokenizer(None), num_kv_heads=2,
-                               tie=True, seed=3, vocab_size=VOCAB, initializer_range=0.05)
+    return _tiny(tmp_path_factory, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    """Another random model of the same shape: a draft whose q differs from the target's p."""
+    return _tiny(tmp_path_factory, 4)
 
 
 def _tokens_2_3(llm) -> np.ndarray:
@@ -144,12 +170,46 @@ def _two_sample_p(a: np.ndarray, b: np.ndarray) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_sampling_distribution_equals_speculation_off(tiny_dir):
-    kw = dict(max_model_len=64, cpu_kv_cache_gib=0.05, max_num_seqs=256, tokenizer=None, seed=0)
-    off = _tokens_2_3(LLM(tiny_dir, **kw))
-    spec_llm = LLM(tiny_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kw)
-    on = _tokens_2_3(spec_llm)
+@pytest.fixture(scope="module")
+def tiny_off(tiny_dir):
+    return _tokens_2_3(LLM(tiny_dir, **TINY))
+
+
+TINY = dict(max_model_len=64, cpu_kv_cache_gib=0.05, max_num_seqs=256, tokenizer=None, seed=0)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampling_distribution_equals_speculation_off(tiny_dir, tiny_draft_dir, tiny_off, method):
+    cfg = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        cfg["model"] = tiny_draft_dir
+    spec_llm = LLM(tiny_dir, speculative_config=cfg, **TINY)
+    on, off = _tokens_2_3(spec_llm), tiny_off
     assert spec_counters(spec_llm)[1] > 50  # drafts were accepted: some third tokens came from one
     assert _two_sample_p(off[:, 0], on[:, 0]) > 1e-3
     assert _two_sample_p(off[:, 1], on[:, 1]) > 1e-3
 
+
+
+def test_lora_mixed_batch(tmp_path):
+    """Two adapters and the base model in one batch, n-gram drafts verified with each token's own
+    adapter: the greedy tokens equal speculation off's."""
+    from transformers import AutoModelForCausalLM
+
+    from splitserve import LoRARequest
+    from tests.lora_reference import make_peft_adapter
+    tok = load_tokenizer(None)
+    path = make_tiny_llama_dir(tmp_path / "base", tok, num_kv_heads=2, tie=False, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    loras = [LoRARequest(f"a{i}", i + 1, make_peft_adapter(hf, tmp_path / f"a{i}", rank=8, alpha=16, seed=100 + i,
+                                                           magnitude=0.1)) for i in range(2)]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9], [30, 31, 30, 31, 30]] * 2
+    plan = [loras[0], loras[1], None, None, loras[0], loras[1]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(num_blocks=128, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128)
+    off = LLM(path, **kw).generate(prompts, params, use_tqdm=False, lora_request=plan)
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    on = llm.generate(prompts, params, use_tqdm=False, lora_request=plan)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert spec_counters(llm)[1] > 0
+    assert llm.engine.kv_manager.pool.is_whole()
