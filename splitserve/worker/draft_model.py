@@ -15,6 +15,10 @@ request's blocks (its context's end) writes nowhere (slot -1), and drafts from t
 scheduled (the scheduler caps drafts by the context). A greedy request's drafts are the draft's
 argmax; a sampled request's are drawn from q, the draft's distribution under the request's own
 sampling parameters, and q is kept for the exact verification (`draft_probs`).
+
+On CUDA (the runner's fast path) the draft's layers are compiled like the target's and its proposal
+forwards (one token per sequence) replay decode CUDA graphs of their own (`setup_fast_path`); the
+forward over a step's inputs runs the compiled layers without graphs.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import Attention, ForwardContext, forward_context
 from splitserve.layers.rejection_sampler import VerifyLayout
 from splitserve.layers.sampler import Sampler
+from splitserve.worker.cuda_graphs import DecodeGraphs
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.sampling_metadata import build_sampling_metadata
 
@@ -40,6 +45,7 @@ class DraftModelProposer:
         self.num_kv_heads = self.layers[0].num_kv_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # proposal forwards' decode graphs (CUDA)
         # Sampled requests' drafts and their q ([k, V] on the device), until verified or gone.
         self._q: dict[str, tuple[list[int], torch.Tensor]] = {}
 
@@ -52,6 +58,15 @@ class DraftModelProposer:
         shape = (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
         for layer in self.layers:
             layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+
+    def setup_graphs(self, sizes: list[int], max_model_len: int, pool=None, stream=None,
+                     use_graphs: bool = True) -> None:
+        """Decode graphs for the proposal forwards (use_graphs=False: the same buffers and hooks run
+        eagerly, for CPU tests of the plumbing)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, max_model_len,
+                                   self.num_kv_heads, self.device, use_graphs=use_graphs)
+        if use_graphs:
+            self.graphs.capture(pool, stream)
 
     # -- one step --------------------------------------------------------------------------------------
     def forget(self, req_ids) -> None:
@@ -111,9 +126,13 @@ class DraftModelProposer:
                 slot_mapping=torch.from_numpy(slots).to(dev), query_start_loc=query_start.to(dev),
                 seq_lens=seq_lens.to(dev), block_tables=block_tables, max_query_len=1,
                 max_seq_len=int(seq_lens.max()), query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens)
-            with forward_context(ForwardContext(meta, self.backend)):
-                hidden = self.model(tokens, torch.from_numpy(np.minimum(pos, ib.token_ids.shape[1] - 2)).to(dev))
-            logits = self.model.compute_logits(hidden)
+            positions = torch.from_numpy(np.minimum(pos, ib.token_ids.shape[1] - 2)).to(dev)
+            if self.graphs is not None and self.graphs.padded_size(S) is not None:
+                logits = self.graphs.run(S, tokens, positions, meta)
+            else:
+                with forward_context(ForwardContext(meta, self.backend)):
+                    hidden = self.model(tokens, positions)
+                logits = self.model.compute_logits(hidden)
             if meta_s.all_greedy:
                 tokens = logits.argmax(dim=-1)
             else:

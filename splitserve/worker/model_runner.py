@@ -279,6 +279,8 @@ class ModelRunner:
         start = time.perf_counter()
         if self.encdec is None:
             compile_decoder_layers(self.model)
+        if self.drafter is not None:
+            compile_decoder_layers(self.drafter.model)
         sizes = self.decode_graph_sizes()
         m = self.config.model
         lora_state = None if self.lora is None else self.lora.model.state  # graphs with the LoRA delta too
@@ -291,6 +293,10 @@ class ModelRunner:
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.graphs.capture(pool, stream)
+        if self.drafter is not None:  # its proposal forwards: one token per sequence, like a decode step
+            # (a pool of their own: they replay between the target's graphs of a step)
+            self.drafter.setup_graphs([b for b in sizes if b > 1] or [2], m.max_model_len,
+                                      torch.cuda.graph_pool_handle(), stream)
         budget = self.config.scheduler.max_num_batched_tokens
         piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
         if piecewise_sizes and self.encdec is None and supports_piecewise(self.model):
@@ -319,6 +325,9 @@ class ModelRunner:
             meta, positions = warm_up_batch(num_seqs, q_len, context, self.block_size, self.device)
             with forward_context(ForwardContext(meta, self.backend)):
                 self.model(torch.zeros(positions.shape[0], dtype=torch.long, device=self.device), positions)
+            if self.drafter is not None:  # its compiled layers too (a draft forward runs in every step)
+                self.drafter.run_step(torch.zeros(positions.shape[0], dtype=torch.long, device=self.device),
+                                      positions, meta)
             logger.debug("warm-up step of %d x %d tokens after %d took %.2f s", num_seqs, q_len, context,
                          time.perf_counter() - t)
 

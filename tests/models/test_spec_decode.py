@@ -107,6 +107,11 @@ def test_draft_model_equal_to_the_target_accepts_everything(reference):
                            use_tqdm=False)[0].outputs
     assert [len(o.token_ids) for o in sampled] == [12, 12]
     assert spec_counters(llm)[0] == spec_counters(llm)[1]
+    # the proposal forwards through the decode-graph buffers and backend hooks (replayed on CUDA)
+    llm.engine.core.executor.runner.drafter.setup_graphs([2, 4], SMALL["max_model_len"], use_graphs=False)
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids[:16] for r in reference[1:3]]
+    assert spec_counters(llm)[0] == spec_counters(llm)[1]
     assert llm.engine.kv_manager.pool.is_whole()
 
 
