@@ -8,6 +8,13 @@ cost of verifying and of proposing, and the back-off). Outputs are checked equal
     python benchmarks/spec_decode_bench.py --model benchmarks/configs/llama3-8b --random-weights \
         --tokenizer .devcarry/llama3-8b --methods off,ngram                 # Llama-3-8B shape, back-off
     ... --disable-by-batch-size 16                                          # batch 16 runs plain decode
+    ... --random-weights ... --methods off,oracle --oracle-accept 0.73      # known acceptance (length ~3 at k=4)
+
+`oracle` measures the machinery (verify cost, rollback, scheduling) at a chosen acceptance without
+trained weights: a first pass with speculation off records each prompt's greedy continuation, then
+the n-gram proposer of the speculating engine is replaced by one that proposes the true next k tokens,
+each kept with probability --oracle-accept and otherwise replaced by another token (so a draft run is
+accepted up to its first replaced token). Expected acceptance length: 1 + a + a^2 + ... + a^k.
 
 Each configuration builds its own engine (one at a time; memory is returned between them).
 """
@@ -17,6 +24,7 @@ import argparse
 import gc
 import time
 
+import numpy as np
 import torch
 
 from splitserve import LLM, SamplingParams
@@ -34,6 +42,31 @@ def copy_prompts(n: int) -> list[str]:
     return [f"{tasks[i % len(tasks)]}{PARAGRAPH.replace('the', 'teh', 1 + i % 3)}\nAnswer:\n" for i in range(n)]
 
 
+class OracleProposer:
+    """Proposes the reference greedy continuation of the request whose prompt the tokens start with,
+    each token correct with probability `accept` (worker/spec_decode.NgramProposer's interface)."""
+
+    def __init__(self, k: int, accept: float, continuations: dict[tuple, list[int]], key_len: int, seed: int = 0):
+        self.k, self.accept, self.continuations, self.key_len = k, accept, continuations, key_len
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, tokens: np.ndarray) -> list[int]:
+        for prompt_len, cont in self.continuations.get(tuple(tokens[:self.key_len].tolist()), ()):
+            done = len(tokens) - prompt_len
+            if 0 <= done < len(cont):
+                drafts = list(cont[done:done + self.k])
+                for j in range(len(drafts)):
+                    if self.rng.random() >= self.accept:
+                        drafts[j] = (drafts[j] + 1 + int(self.rng.integers(100))) % 1000 + 1000
+                return drafts
+        return []
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1000, 20000, length).tolist() for _ in range(n)]
+
+
 def build(args, method: str) -> LLM:
     kw = dict(dtype=args.dtype, max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=max(16, args.batch_sizes[-1]))
@@ -44,8 +77,8 @@ def build(args, method: str) -> LLM:
     if args.tokenizer:
         kw["tokenizer"] = args.tokenizer
     if method != "off":
-        cfg = {"method": method, "num_speculative_tokens": args.k}
-        if method == "ngram":
+        cfg = {"method": "ngram" if method == "oracle" else method, "num_speculative_tokens": args.k}
+        if method in ("ngram", "oracle"):
             cfg.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
         else:
             cfg["model"] = args.draft
@@ -53,6 +86,13 @@ def build(args, method: str) -> LLM:
             cfg["disable_by_batch_size"] = args.disable_by_batch_size
         kw["speculative_config"] = cfg
     return LLM(**kw)
+
+
+def prompts_for(args, batch: int):
+    """The batch's prompts: token ids (oracle needs them: it keys continuations by prompt tokens) or text."""
+    if args.prompt_len or "oracle" in args.methods:
+        return [{"prompt_token_ids": p} for p in random_prompts(batch, args.prompt_len or 128, seed=batch)]
+    return copy_prompts(batch)
 
 
 def main() -> None:
@@ -72,6 +112,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--oracle-accept", type=float, default=0.73,
+                    help="oracle: probability that each proposed token is the true next one")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="token-id prompts of this length (random) instead of the copy prompts; oracle uses them")
     args = ap.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -79,8 +123,17 @@ def main() -> None:
     for method in args.methods.split(","):
         llm = build(args, method)
         llm.generate(copy_prompts(2), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        if method == "oracle":
+            if not reference:
+                raise SystemExit("oracle needs a speculation-off run first: --methods off,oracle")
+            conts: dict[tuple, list] = {}
+            for batch in args.batch_sizes:
+                for p, cont in zip(prompts_for(args, batch), reference[batch]):
+                    ids = p["prompt_token_ids"]
+                    conts.setdefault(tuple(ids[:32]), []).append((len(ids), cont))
+            llm.engine.core.executor.runner.proposer = OracleProposer(args.k, args.oracle_accept, conts, 32)
         for batch in args.batch_sizes:
-            prompts = copy_prompts(batch)
+            prompts = prompts_for(args, batch)
             sched = llm.engine.core.scheduler
             d0, a0, n0 = sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens, sched.spec_num_drafts
             times = []
