@@ -220,15 +220,23 @@ def test_lora_mixed_batch(tmp_path):
     assert llm.engine.kv_manager.pool.is_whole()
 
 
-def test_tiny_draft_model_greedy_equals_speculation_off(tiny_dir, tiny_draft_dir):
-    """A draft that differs from the target (drafts partly rejected): greedy tokens still equal."""
+@pytest.mark.parametrize("variant", ["plain", "async_preempt"])
+def test_tiny_draft_model_greedy_equals_speculation_off(tiny_dir, tiny_draft_dir, variant):
+    """A draft that differs from the target (drafts partly rejected): greedy tokens still equal, also
+    with async scheduling and a pool small enough for preemptions (the draft's cache recomputed)."""
     prompts = [{"prompt_token_ids": p} for p in ([1, 5, 6, 7, 5, 6], [1, 2, 3], [9, 9, 9, 9, 4])]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     off = LLM(tiny_dir, **TINY).generate(prompts, params, use_tqdm=False)
+    kw = dict(TINY)
+    if variant == "async_preempt":
+        del kw["cpu_kv_cache_gib"]
+        kw.update(async_scheduling=True, num_blocks=5, block_size=8)
     llm = LLM(tiny_dir, speculative_config={"method": "draft_model", "model": tiny_draft_dir,
-                                            "num_speculative_tokens": 3}, **TINY)
+                                            "num_speculative_tokens": 3}, **kw)
     on = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     drafted, accepted = spec_counters(llm)
     assert 0 < accepted < drafted
     assert llm.engine.kv_manager.pool.is_whole()
+    if variant == "async_preempt":
+        assert llm.engine.core.scheduler.num_preemptions > 0
