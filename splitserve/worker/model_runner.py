@@ -28,7 +28,7 @@ from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs,
                                                prompt_logprobs_by_request)
 from splitserve.worker.sampling_metadata import build_sampling_metadata
-from splitserve.worker.spec_decode import NgramProposer, expand_metadata
+from splitserve.worker.spec_decode import NgramProposer, expand_metadata, verified_logprobs, write_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -373,15 +373,7 @@ class ModelRunner:
         last = qsl[1:].astype(np.int64) - 1  # flat row of each sequence's last token
         # Speculative decoding: a verifying sequence's drafts follow its known tokens in its row
         # (tentatively: collect keeps the accepted ones); ends = where its verified tokens end.
-        num_drafts = np.zeros(num_seqs, dtype=np.int64)
-        if sched.spec_token_ids:
-            index = {rid: i for i, rid in enumerate(nst)}
-            for rid, ids in sched.spec_token_ids.items():
-                i, row = index[rid], rows[index[rid]]
-                num_drafts[i] = len(ids)
-                known = ib.num_known[row]
-                assert known == ib.num_tokens[row], "drafts of a request with a token in flight"
-                ib.token_ids[row, known:known + len(ids)] = ids
+        num_drafts = write_drafts(ib, sched.spec_token_ids, nst, rows)
         ends = seq_lens - num_drafts
 
         # position of every token = its sequence's start + offset within the step's chunk
@@ -610,7 +602,7 @@ class ModelRunner:
         """A verify step's results: each row's accepted drafts and the token after them recorded in
         the persistent batch (its computed count back by the rejected drafts), with their logprobs."""
         _, logprob_vals, logprob_ids, logprob_ranks, num_accepted, next_token = step.host
-        states, drafts, layout = step.sample_requests, step.drafts, step.verify
+        states, drafts = step.sample_requests, step.drafts
         accepted, nexts = num_accepted.tolist(), next_token.tolist()
         new_tokens = [d[:m] + [t] for d, m, t in zip(drafts, accepted, nexts)]
         self.input_batch.record_verified(states, new_tokens, [len(d) - m for d, m in zip(drafts, accepted)])
@@ -619,22 +611,8 @@ class ModelRunner:
             if len(tokens) > 1:
                 result.more_tokens[state.req_id] = tokens[1:]
         if logprob_vals is not None:
-            vals, tok_ids, all_ranks = logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist()
-            for state, tokens, start in zip(states, new_tokens, layout.row_start.tolist()):
-                k = state.sampling_params.logprobs
-                if k is None:
-                    continue
-                entries = []
-                for r in range(start, start + len(tokens)):
-                    entry = {tok_ids[r][0]: vals[r][0]}
-                    for t, v in zip(tok_ids[r][1:1 + k], vals[r][1:1 + k]):
-                        entry.setdefault(t, v)
-                    entries.append(entry)
-                rank_list = all_ranks[start:start + len(tokens)]
-                result.logprobs[state.req_id], result.logprob_ranks[state.req_id] = entries[0], rank_list[0]
-                if len(tokens) > 1:
-                    result.more_logprobs[state.req_id] = entries[1:]
-                    result.more_logprob_ranks[state.req_id] = rank_list[1:]
+            verified_logprobs(result, states, new_tokens, step.verify.row_start.tolist(),
+                              logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist())
         if step.propose:
             result.draft_token_ids = self._propose(states)
         return result

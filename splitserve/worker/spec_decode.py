@@ -41,6 +41,23 @@ class NgramProposer:
         return []
 
 
+def write_drafts(ib, spec_token_ids: dict[str, list[int]], req_ids, rows: np.ndarray) -> np.ndarray:
+    """Writes each verifying request's drafts after its known tokens in the persistent batch (`ib`,
+    an InputBatch; tentatively: collect keeps the accepted ones); returns the drafts per scheduled
+    sequence (req_ids, rows: the step's order)."""
+    num_drafts = np.zeros(len(rows), dtype=np.int64)
+    if spec_token_ids:
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        for rid, ids in spec_token_ids.items():
+            i = index[rid]
+            row = rows[i]
+            num_drafts[i] = len(ids)
+            known = ib.num_known[row]
+            assert known == ib.num_tokens[row], "drafts of a request with a token in flight"
+            ib.token_ids[row, known:known + len(ids)] = ids
+    return num_drafts
+
+
 def expand_metadata(meta: SamplingMetadata, repeats: np.ndarray) -> SamplingMetadata:
     """Sampling data of a verify step's logits rows: sequence i's parameters over repeats[i]
     consecutive rows (its drafts + 1). Sequences with penalties, several-token bad words, grammars
@@ -77,3 +94,24 @@ def expand_metadata(meta: SamplingMetadata, repeats: np.ndarray) -> SamplingMeta
     if meta.grammar_rows is not None:
         out.grammar_rows, out.grammar_bitmask = starts[meta.grammar_rows], meta.grammar_bitmask
     return out
+
+
+def verified_logprobs(result, states, new_tokens: list[list[int]], row_start: list[int], vals, tok_ids,
+                      ranks) -> None:
+    """Fills a StepResult's logprobs of a verify step: per request that asked, the entry of its first
+    new token (`logprobs`, `logprob_ranks`) and of the rest (`more_logprobs`, `more_logprob_ranks`),
+    from the host lists of the verifier's rows ([R][1 + k] values and ids, [R] ranks)."""
+    for state, tokens, start in zip(states, new_tokens, row_start):
+        k = state.sampling_params.logprobs
+        if k is None:
+            continue
+        entries = []
+        for r in range(start, start + len(tokens)):
+            entry = {tok_ids[r][0]: vals[r][0]}
+            for t, v in zip(tok_ids[r][1:1 + k], vals[r][1:1 + k]):
+                entry.setdefault(t, v)
+            entries.append(entry)
+        rid, row_ranks = state.req_id, ranks[start:start + len(tokens)]
+        result.logprobs[rid], result.logprob_ranks[rid] = entries[0], row_ranks[0]
+        if len(tokens) > 1:
+            result.more_logprobs[rid], result.more_logprob_ranks[rid] = entries[1:], row_ranks[1:]
