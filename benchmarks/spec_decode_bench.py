@@ -61,6 +61,9 @@ class OracleProposer:
                 return drafts
         return []
 
+    def propose_many(self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+        return [self.propose(token_ids[r, :n]) for r, n in zip(rows.tolist(), lengths.tolist())]
+
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)

@@ -624,9 +624,9 @@ class ModelRunner:
             return self.drafter.propose(ib, states)
         if self.proposer is None:
             return out
-        for state in states:
-            if state.row >= 0 and state.sampling_params.allows_speculation:
-                drafts = self.proposer.propose(ib.token_ids[state.row, :ib.num_known[state.row]])
-                if drafts:
-                    out[state.req_id] = drafts
+        states = [s for s in states if s.row >= 0 and s.sampling_params.allows_speculation]
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        for state, drafts in zip(states, self.proposer.propose_many(ib.token_ids, rows, ib.num_known[rows])):
+            if drafts:
+                out[state.req_id] = drafts
         return out

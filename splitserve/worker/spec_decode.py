@@ -40,6 +40,33 @@ class NgramProposer:
                 return tokens[start:start + self.k].tolist()
         return []
 
+    def propose_many(self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+        """`propose` for many rows of a token matrix at once (row i: token_ids[rows[i], :lengths[i]]),
+        vectorised over the rows: a loaded server's step pays a few array passes, not a loop."""
+        S = len(rows)
+        out: list[list[int]] = [[] for _ in range(S)]
+        if not S:
+            return out
+        L = int(lengths.max())
+        T = token_ids[rows, :L]
+        todo = np.ones(S, dtype=bool)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            W = L - n  # window starts 0 .. W - 1 (a start must leave the suffix itself out)
+            suffix = T[np.arange(S)[:, None], lengths[:, None] - n + np.arange(n)[None, :]]
+            match = np.arange(W)[None, :] < (lengths - n)[:, None]
+            match &= todo[:, None] & (lengths > n)[:, None]
+            for j in range(n):
+                match &= T[:, j:W + j] == suffix[:, j:j + 1]
+            hit = match.any(axis=1)
+            latest = W - 1 - np.argmax(match[:, ::-1], axis=1)
+            for i in np.flatnonzero(hit).tolist():
+                start = int(latest[i]) + n
+                out[i] = T[i, start:min(start + self.k, int(lengths[i]))].tolist()
+            todo &= ~hit
+            if not todo.any():
+                break
+        return out
+
 
 def write_drafts(ib, spec_token_ids: dict[str, list[int]], req_ids, rows: np.ndarray) -> np.ndarray:
     """Writes each verifying request's drafts after its known tokens in the persistent batch (`ib`,

@@ -22,6 +22,18 @@ def test_ngram_prefers_the_longest_suffix_and_the_latest_occurrence():
     assert p.propose(np.array([1, 2, 1])) == [2, 1]
 
 
+def test_propose_many_equals_propose_row_by_row():
+    rng = np.random.default_rng(0)
+    for min_n, max_n in ((1, 3), (2, 4), (1, 1)):
+        p = NgramProposer(k=4, min_n=min_n, max_n=max_n)
+        lengths = rng.integers(1, 60, 40)
+        matrix = rng.integers(0, 6, (50, 70)).astype(np.int32)  # a small alphabet: many matches
+        rows = rng.permutation(50)[:40]
+        got = p.propose_many(matrix, rows, lengths)
+        assert got == [p.propose(matrix[r, :n]) for r, n in zip(rows, lengths)]
+        assert sum(map(bool, got)) > 10
+
+
 def test_expand_metadata_repeats_each_sequence_over_its_rows():
     g = torch.Generator()
     meta = SamplingMetadata(3, False, greedy=np.array([True, False, False]), temperature=np.array([0.0, 0.5, 1.0]),
