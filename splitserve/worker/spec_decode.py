@@ -41,30 +41,37 @@ class NgramProposer:
         return []
 
     def propose_many(self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
-        """`propose` for many rows of a token matrix at once (row i: token_ids[rows[i], :lengths[i]]),
-        vectorised over the rows: a loaded server's step pays a few array passes, not a loop."""
+        """`propose` for many rows of a token matrix at once (row i: token_ids[rows[i], :lengths[i]]):
+        one pass finds, in every row, the earlier positions holding the row's last token; each such
+        candidate is then extended backwards (up to prompt_lookup_max tokens), and a row takes its
+        longest match, latest first. A loaded server's step pays one array pass, not a loop."""
         S = len(rows)
         out: list[list[int]] = [[] for _ in range(S)]
         if not S:
             return out
         L = int(lengths.max())
         T = token_ids[rows, :L]
-        todo = np.ones(S, dtype=bool)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            W = L - n  # window starts 0 .. W - 1 (a start must leave the suffix itself out)
-            suffix = T[np.arange(S)[:, None], lengths[:, None] - n + np.arange(n)[None, :]]
-            match = np.arange(W)[None, :] < (lengths - n)[:, None]
-            match &= todo[:, None] & (lengths > n)[:, None]
-            for j in range(n):
-                match &= T[:, j:W + j] == suffix[:, j:j + 1]
-            hit = match.any(axis=1)
-            latest = W - 1 - np.argmax(match[:, ::-1], axis=1)
-            for i in np.flatnonzero(hit).tolist():
-                start = int(latest[i]) + n
-                out[i] = T[i, start:min(start + self.k, int(lengths[i]))].tolist()
-            todo &= ~hit
-            if not todo.any():
-                break
+        last = T[np.arange(S), lengths - 1]
+        # p: the end of an earlier window (p < length - 1, so never the suffix itself)
+        cand = (T[:, :max(L - 1, 0)] == last[:, None]) & (np.arange(max(L - 1, 0))[None, :] < (lengths - 1)[:, None])
+        ri, pi = np.nonzero(cand)
+        if not len(ri):
+            return out
+        n = np.ones(len(ri), dtype=np.int64)  # matched suffix length at each candidate
+        alive = np.ones(len(ri), dtype=bool)
+        for j in range(1, self.max_n):
+            back = lengths[ri] - 1 - j
+            ok = alive & (pi - j >= 0) & (back >= 0)
+            ok[ok] = T[ri[ok], pi[ok] - j] == T[ri[ok], back[ok]]
+            n += ok
+            alive = ok
+        n = np.minimum(n, lengths[ri] - 1)
+        score = np.where(n >= self.min_n, n * (L + 1) + pi, -1)
+        best = np.full(S, -1, dtype=np.int64)
+        np.maximum.at(best, ri, score)
+        for i in np.flatnonzero(best >= 0).tolist():
+            start = int(best[i] % (L + 1)) + 1
+            out[i] = T[i, start:min(start + self.k, int(lengths[i]))].tolist()
         return out
 
 
