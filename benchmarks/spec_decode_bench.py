@@ -9,6 +9,7 @@ cost of verifying and of proposing, and the back-off). Outputs are checked equal
         --tokenizer .devcarry/llama3-8b --methods off,ngram                 # Llama-3-8B shape, back-off
     ... --disable-by-batch-size 16                                          # batch 16 runs plain decode
     ... --random-weights ... --methods off,oracle --oracle-accept 0.73      # known acceptance (length ~3 at k=4)
+    ... --random-weights ... --methods off,draft_model --draft benchmarks/configs/llama3.2-1b  # a 1B draft's cost
 
 `oracle` measures the machinery (verify cost, rollback, scheduling) at a chosen acceptance without
 trained weights: a first pass with speculation off records each prompt's greedy continuation, then
