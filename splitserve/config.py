@@ -194,6 +194,73 @@ class LoRAConfig:
                  f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's keys of --speculative-config that splitserve reads; any other key is an error at start-up.
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                     "draft_tensor_parallel_size", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config (vLLM's JSON keys). Drafts are proposed by the worker after each step
+    (n-gram prompt lookup on the host, or a draft model in the same worker), verified in the next
+    step as extra tokens of their sequence, and rolled back where rejected (worker/spec_decode.py)."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched against the earlier context
+    prompt_lookup_max: int = 3  # ngram: longest suffix tried first
+    model: str | None = None    # draft_model: its checkpoint (shares the target's tokenizer)
+    draft_tensor_parallel_size: int = 1
+    # No drafts in a step whose running batch has at least this many sequences (speculation costs
+    # more than it saves on a loaded server). None: always speculate.
+    disable_by_batch_size: int | None = None
+    # Filled by the config builder for draft_model: the draft's loading.resolve.ModelSource and config.
+    draft_source: Any = None
+    draft_hf_config: Any = None
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 32,
+                 f"speculative_config: num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            _require(isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi,
+                     f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+            _require(self.model is None, "speculative_config: method ngram takes no model")
+        else:
+            _require(bool(self.model), f"speculative_config: method {self.method} needs a model")
+        _require(self.draft_tensor_parallel_size == 1,
+                 f"speculative_config: draft_tensor_parallel_size must be 1, got {self.draft_tensor_parallel_size}")
+        b = self.disable_by_batch_size
+        _require(b is None or (isinstance(b, int) and b >= 2),
+                 f"speculative_config: disable_by_batch_size must be an integer >= 2, got {b!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict") -> "SpeculativeConfig":
+        """From the JSON text of --speculative-config or the dict of LLM(speculative_config=...)."""
+        import json
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        _require(isinstance(value, dict), f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        _require(not unknown, f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                              f"known: {', '.join(_SPECULATIVE_KEYS)}")
+        _require("method" in value and "num_speculative_tokens" in value,
+                 "speculative_config needs method and num_speculative_tokens")
+        return cls(**value)
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots a speculating request holds beyond its verified tokens: a draft model writes its
+        drafts' K/V there at the end of the verify step. N-gram drafts need none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 STRUCTURED_OUTPUT_FILLS = ("process", "inline")
 
 # KV transfer (kv_transfer/): connectors by vLLM's names, the roles and load-failure policies it spells.
@@ -315,6 +382,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA off
     onnx: OnnxConfig | None = None  # None: the torch model (else the ONNX Runtime backend)
     kv_transfer: KVTransferConfig | None = None  # None: no KV connector
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     structured_outputs_fill: str = "process"  # one of STRUCTURED_OUTPUT_FILLS
     seed: int | None = None
     async_scheduling: bool | None = None  # None: on with CUDA

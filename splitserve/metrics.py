@@ -106,7 +106,20 @@ class _EngineStateCollector(Collector):
                      "num_preemptions")
         yield family(c, "splitserve:prompt_tokens_computed", "Prompt tokens the engine's steps computed (neither "
                      "found in the prefix cache nor loaded from another engine).", "prompt_tokens_computed")
-        value, s = series[-1]  # the transfer figures: the server's (one engine's, or the totals)
+        value, s = series[-1]  # the speculation and transfer figures: the server's (one engine's, or the totals)
+        if s.spec_accepted_per_pos:  # speculative decoding is on (vLLM's spec_decode families)
+            yield _one(CounterMetricFamily, labels, value, "splitserve:spec_decode_num_drafts", "Sequence steps that verified draft tokens.",
+                          s.spec_num_drafts)
+            yield _one(CounterMetricFamily, labels, value, "splitserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          s.spec_num_draft_tokens)
+            yield _one(CounterMetricFamily, labels, value, "splitserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily("splitserve:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft (0: the first).",
+                                          labels=labels + ["position"])
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric(value + [str(pos)], n)
+            yield per_pos
         t = s.kv_transfer
         if t is None:
             return

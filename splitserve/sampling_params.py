@@ -254,6 +254,13 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def allows_speculation(self) -> bool:
+        """Whether drafts may be verified for this request: its logits do not depend on earlier
+        tokens on the host (penalties, bad words), nor on a grammar state (structured outputs:
+        speculation is off for those requests)."""
+        return not (self.needs_penalties or self.bad_words or self.structured_outputs is not None)
+
     def replace_valid(self, **changes) -> "SamplingParams":
         """A copy with `changes`, not validated again: only for changes that keep valid params valid
         (a child's n and seed, stop ids dropped, a constraint built and checked on its own). The copy

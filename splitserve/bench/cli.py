@@ -232,13 +232,17 @@ def _describe(args, cfg, samples) -> None:
 @_guarded
 def cmd_serve(args) -> int:
     from splitserve.bench.metrics import compute_metrics, format_table
-    from splitserve.bench.serve import benchmark, results_to_json
+    from splitserve.bench.serve import acceptance_length, benchmark, results_to_json, spec_decode_counters
 
     cfg, samples, tokenizer, tok_spec = _prepare(args)
     _describe(args, cfg, samples)
+    spec_before = spec_decode_counters(cfg.base_url, args.api_key)
     [(results, duration)] = benchmark(cfg, samples, tokenizer, seed=args.seed, test_request=not args.no_test_request)
     metrics = compute_metrics(results, duration)
     print(format_table(metrics))
+    accept_len = acceptance_length(spec_before, spec_decode_counters(cfg.base_url, args.api_key))
+    if accept_len is not None:  # the server speculates: tokens per verify step over this run (and the test request)
+        print(f"Mean acceptance length (speculative decoding): {accept_len:.2f}")
     if args.save_result:
         _write_json(args.save_result, {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),

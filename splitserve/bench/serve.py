@@ -87,6 +87,33 @@ def check_server(base_url: str, api_key: str | None = None, timeout: float = 5.0
         return []
 
 
+def spec_decode_counters(base_url: str, api_key: str | None = None, timeout: float = 5.0) -> tuple[float, float] | None:
+    """(verify steps, accepted draft tokens) from the server's /metrics (splitserve's or vLLM's
+    spec_decode counters, summed over models), or None: no speculative decoding, or no /metrics."""
+    try:
+        text = httpx.get(base_url + "/metrics", headers=_headers(api_key), timeout=timeout).text
+    except httpx.HTTPError:
+        return None
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for prefix in ("splitserve:", "vllm:"):
+            for name in ("spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total"):
+                if line.startswith(prefix + name + "{") or line.startswith(prefix + name + " "):
+                    found[prefix + name] = found.get(prefix + name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for prefix in ("splitserve:", "vllm:"):
+        if prefix + "spec_decode_num_drafts_total" in found:
+            return (found[prefix + "spec_decode_num_drafts_total"],
+                    found.get(prefix + "spec_decode_num_accepted_tokens_total", 0.0))
+    return None
+
+
+def acceptance_length(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Mean tokens per verify step (accepted drafts + 1) between two readings of spec_decode_counters."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return 1.0 + (after[1] - before[1]) / (after[0] - before[0])
+
+
 def load_bench_tokenizer(spec: str):
     """--tokenizer: 'default' is splitserve's default model; anything else goes through
     splitserve's model resolver (local dir, .gguf, cached hub repo), then plain AutoTokenizer

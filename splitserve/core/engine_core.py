@@ -112,7 +112,8 @@ class EngineCore:
         # background with a GPU, else by the first constrained request; or threads here).
         self.structured = _structured_manager(config)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.structured, self.lora, self.kv_connector,
-                                   config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute")
+                                   config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute",
+                                   spec=config.speculative)
         self.async_scheduling = config.runs_async
         # A runner in this process takes a step's grammar masks after its launch (ModelRunner.sample);
         # worker processes get them in the step message.
@@ -209,11 +210,14 @@ class EngineCore:
             self.scheduler.poll_connector()
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv_manager
-        stats = SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage(),
-                               kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions, self.num_received,
-                               num_receiving=len(self.scheduler.receiving), num_held=kv.num_held,
-                               prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed)
+        kv, sch = self.kv_manager, self.scheduler
+        stats = SchedulerStats(len(sch.running), len(sch.waiting), kv.usage(),
+                               kv.prefix_queries, kv.prefix_hits, sch.num_preemptions, self.num_received,
+                               num_receiving=len(sch.receiving), num_held=kv.num_held,
+                               prompt_tokens_computed=sch.num_prompt_tokens_computed,
+                               spec_num_drafts=sch.spec_num_drafts, spec_num_draft_tokens=sch.spec_num_draft_tokens,
+                               spec_num_accepted_tokens=sch.spec_num_accepted_tokens,
+                               spec_accepted_per_pos=list(sch.spec_accepted_per_pos))
         if self.kv_connector is not None:
             t = self.kv_connector.stats
             stats.kv_transfer = KVTransferCounters(t.sent_tokens, t.sent_bytes, t.recv_tokens, t.recv_bytes, t.failed,
@@ -368,17 +372,22 @@ class EngineCore:
             return self._fail_step(sched, exc)
         self._failed_steps_in_a_row = 0
         outputs = []
-        for request in self.scheduler.update(sched, result.tokens, result.prompt_logprobs):
+        for request in self.scheduler.update(sched, result.tokens, result.prompt_logprobs, result.more_tokens,
+                                             result.draft_token_ids):
             if request.status == RequestStatus.FINISHED_ERROR:  # its grammar process was lost
                 outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
                                                 stop_reason=request.stop_reason))
                 continue
-            lp = result.logprobs.get(request.request_id)
-            out = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]],
+            rid, num_new = request.request_id, request.num_new_tokens
+            lp = result.logprobs.get(rid)
+            out = EngineCoreOutput(rid, request.output_token_ids[-num_new:],
                                    None if lp is None else [lp], request.status.finish_reason,
                                    request.stop_reason, request.num_cached_tokens)
             if lp is not None:
-                out.new_logprob_ranks = [result.logprob_ranks.get(request.request_id, 0)]
+                out.new_logprob_ranks = [result.logprob_ranks.get(rid, 0)]
+                if num_new > 1:  # accepted drafts (speculative decoding): a logprob for each new token
+                    out.new_logprobs += result.more_logprobs[rid][:num_new - 1]
+                    out.new_logprob_ranks += result.more_logprob_ranks[rid][:num_new - 1]
             if request.kv_params_out is not None:  # a producer holds its blocks for a decode engine
                 out.kv_transfer_params = request.kv_params_out
             if len(request.output_token_ids) == 1:

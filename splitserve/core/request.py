@@ -96,6 +96,11 @@ class Request:
     kv_params_out: dict | None = None
     kv_load_tried: bool = False
 
+    # Speculative decoding: drafts the worker proposed for its next step (scheduled if they fit), and
+    # how many tokens the last step's results gave it (several when drafts were accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+
     _encoder_hash: int | None = None
 
     @property

@@ -40,6 +40,18 @@ request) or ends the request with the reason (policy fail). On a producer, a req
 remote decode keeps its blocks after it finishes (`KVCacheManager.hold`), and the connector's answer
 (`kv_params_out`) goes out with its last output; the blocks go back when the connector reports the
 reader's acknowledgement or the end of the lease.
+
+Speculative decoding (`spec`, config.SpeculativeConfig): the worker proposes drafts after each step
+(`Request.spec_token_ids`); a decoding request runs its last token plus as many of them as fit its
+budget, its max_tokens and its context (so an accepted run never overshoots), unless its sampling
+needs earlier tokens on the host (penalties, bad words), it is constrained by a grammar, it is under
+min_tokens, or the running batch has reached disable_by_batch_size. Drafts count against the token
+budget like any other tokens. With a step's results the request gains the accepted drafts and one
+more token (stop rules applied token by token: tokens after a stop are dropped), and its computed
+count goes back by the rejected drafts; since filled blocks are registered in the prefix cache only
+up to the computed and known tokens, a block holding rejected K/V is never registered. A draft
+model writes its next drafts' K/V beyond the verified tokens, so its requests hold
+`lookahead_slots` more slots.
 """
 from __future__ import annotations
 
@@ -57,8 +69,13 @@ __all__ = ["Scheduler", "SchedulerOutput"]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, structured=None, lora=None,
-                 connector=None, kv_load_failure_policy: str = "recompute"):
+                 connector=None, kv_load_failure_policy: str = "recompute", spec=None):
         self.config = config
+        self.spec = spec  # config.SpeculativeConfig, or None (no speculative decoding)
+        # Acceptance counters (vLLM's spec_decode metrics): verifying sequences, their drafts, the
+        # accepted ones, and accepted drafts by position.
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         self.kv = kv_manager
         self.structured = structured  # StructuredOutputManager, or None (no constrained requests)
         self.lora = lora  # lora.manager.LoRAManager, or None (LoRA not enabled)
@@ -111,6 +128,10 @@ class Scheduler:
         preempted = False
         if self.connector is not None:
             self.poll_connector()
+        spec = self.spec
+        speculating = spec is not None and (spec.disable_by_batch_size is None
+                                            or len(self.running) < spec.disable_by_batch_size)
+        lookahead = spec.lookahead_slots if spec is not None else 0
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -120,7 +141,10 @@ class Scheduler:
                 # Nothing to compute, or its last token is still in flight and ends it: skip.
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request, n):
+            drafts = self._drafts(request, n, budget) if speculating else []
+            request.spec_token_ids = []  # used now or never: the next step's come with this one's results
+            n += len(drafts)
+            while not self.kv.allocate_slots(request, n + self._lookahead(request, n, lookahead)):
                 victim, j = self._victim()
                 del self.running[j]
                 if j < i:  # priority policy: a request scheduled earlier in this step gives way
@@ -133,6 +157,8 @@ class Scheduler:
             else:
                 scheduled.append((request, n))
                 num_tokens[request.request_id] = n
+                if drafts:
+                    out.spec_token_ids[request.request_id] = drafts
                 if len(request.block_ids) > request.num_worker_blocks:  # its block table grew
                     cached.req_ids.append(request.request_id)
                     cached.new_block_ids.append(request.block_ids[request.num_worker_blocks:])
@@ -166,7 +192,7 @@ class Scheduler:
             n = min(request.num_tokens - num_cached, budget - enc)
             # The decoder's blocks first: its prefix hits may sit free in the pool, where the encoder's
             # allocation could otherwise take (and overwrite) them.
-            if not self.kv.allocate_slots(request, n, hits):
+            if not self.kv.allocate_slots(request, n + self._lookahead(request, n + num_cached, lookahead), hits):
                 break
             if enc and not self.kv.allocate_encoder(request):
                 self.kv.free(request)  # gives back the decoder blocks (and the hits' references) just taken
@@ -288,6 +314,28 @@ class Scheduler:
                 request.mm_announced = True
                 out.mm_prefetch[request.request_id] = request.mm_items
 
+    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """The drafts a running request verifies this step: only while decoding (one token to
+        compute, none in flight), as many as the budget, max_tokens and the context leave room for
+        (the accepted ones plus one more token must fit)."""
+        proposed = request.spec_token_ids
+        params = request.sampling_params
+        if (not proposed or n != 1 or request.num_pending or request.grammar is not None
+                or not params.allows_speculation or len(request.output_token_ids) < params.min_tokens):
+            return []
+        room = min(self.spec.num_speculative_tokens, budget - n, request.max_total_tokens - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        return proposed[:max(room, 0)]
+
+    @staticmethod
+    def _lookahead(request: Request, num_after: int, lookahead: int) -> int:
+        """Slots beyond a step's tokens for a draft model's next drafts (num_after: the tokens the
+        step adds to its computed ones, prefix hits included at admission), never past its context."""
+        if not lookahead:
+            return 0
+        return max(0, min(lookahead, request.max_total_tokens - request.num_computed_tokens - num_after))
+
     def _victim(self) -> tuple[Request, int]:
         """The running request to preempt and its index: the newest (fcfs), or the lowest priority
         (the largest value; the latest arrival among equals) under the priority policy."""
@@ -302,6 +350,7 @@ class Scheduler:
     def _unschedule(out: SchedulerOutput, scheduled: list[tuple[Request, int]], request: Request) -> int:
         """Takes a request out of the step being built; returns the tokens it had been given."""
         n = out.num_scheduled_tokens.pop(request.request_id, 0)
+        out.spec_token_ids.pop(request.request_id, None)
         scheduled[:] = [(r, k) for r, k in scheduled if r is not request]
         cached = out.cached_requests
         if request.request_id in cached.req_ids:
@@ -316,6 +365,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_worker_blocks = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -338,22 +388,29 @@ class Scheduler:
         all computed now samples, holding one pending token until the step's results arrive. Returns
         how many sample (the worker decides the same from its own counts)."""
         num_samples = 0
+        spec = out.spec_token_ids
         for request, n in self._steps.get(out.step_id, ()):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(n, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
+            # (its drafts are computed too, but only verified tokens become its own)
+            if request.num_computed_tokens - len(spec.get(request.request_id, ())) == request.num_tokens:
                 request.num_pending += 1
                 num_samples += 1
         return num_samples
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               prompt_logprobs: dict[str, tuple] | None = None) -> list[Request]:
+               prompt_logprobs: dict[str, tuple] | None = None, more_tokens: dict[str, list[int]] | None = None,
+               draft_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
         """With a step's results: turns the pending tokens of its sampling requests into output
         tokens, applies token-level stop rules and caches filled blocks. Returns the requests that got
-        a new token (finished ones included). `prompt_logprobs`: {id: (start, entries, ranks)} of the
-        prompt chunks the step computed for requests that asked for them."""
+        a new token (finished ones included; `Request.num_new_tokens` says how many). `prompt_logprobs`:
+        {id: (start, entries, ranks)} of the prompt chunks the step computed for requests that asked
+        for them. Speculative decoding: `more_tokens`, the tokens after the first of requests that
+        accepted drafts; `draft_token_ids`, drafts proposed for their next step."""
         updated = []
+        more_tokens = more_tokens or {}
+        spec = out.spec_token_ids
         steps = self._steps.pop(out.step_id, ())
         # Constrained requests' tokens advance their grammars in one call (in the grammar process,
         # with the next step's rows to fill: structured_output/process_manager.py); whose grammar ended
@@ -377,8 +434,14 @@ class Scheduler:
             if token is not None:
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
+                request.num_new_tokens = 1
                 updated.append(request)
-                if ended is not None and request.grammar is not None:
+                if draft_token_ids:
+                    request.spec_token_ids = draft_token_ids.get(request.request_id, [])
+                drafts = spec.get(request.request_id)
+                if drafts:
+                    self._take_verified(request, token, drafts, more_tokens.get(request.request_id, ()), holds_blocks)
+                elif ended is not None and request.grammar is not None:
                     constrained.append((request, token))
                 else:
                     self._check_stop(request, token)
@@ -400,6 +463,27 @@ class Scheduler:
             if request.is_finished:
                 self._release(request)
         return updated
+
+    def _take_verified(self, request: Request, token: int, drafts: list[int], more: list[int],
+                       holds_blocks: bool) -> None:
+        """A verifying request's results: its first token is appended already; the accepted drafts
+        after it and the token after them are appended one by one under the stop rules (what follows
+        a stop is dropped), and its computed count goes back by the rejected drafts."""
+        num_accepted = len(more)
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.spec_accepted_per_pos[j] += 1
+        if holds_blocks:
+            request.num_computed_tokens -= len(drafts) - num_accepted
+        self._check_stop(request, token)
+        for t in more:
+            if request.is_finished:
+                break
+            request.output_token_ids.append(t)
+            request.num_new_tokens += 1
+            self._check_stop(request, t)
 
     def fail_step(self, out: SchedulerOutput, status: RequestStatus, launched: bool) -> list[Request]:
         """Ends the requests of a step that failed (at launch, or when its results were read). A

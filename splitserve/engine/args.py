@@ -101,6 +101,13 @@ class EngineArgs(CliOptions):
         None, metavar="JSON", default_text="none",
         help="JSON object of defaults that replace those of the generation config, "
              "e.g. '{\"temperature\": 0.5}'")
+    speculative_config: str | None = option(
+        None, metavar="JSON", default_text="none: no speculative decoding",
+        help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+             "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 3}' (drafts copied from earlier context) or "
+             "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' (a small model "
+             "with the same tokenizer); optional \"disable_by_batch_size\": no drafts in steps with that many "
+             "running sequences. LLM() also takes a dict")
     # -- parallelism (executor/: one worker process per device when the world is larger than 1) --
     tensor_parallel_size: int = option(
         1, aliases=("-tp",), help="devices each layer is split across (one worker process each)")

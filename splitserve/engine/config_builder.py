@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
-                               OnnxConfig, ParallelConfig, SchedulerConfig, parse_kv_transfer_config)
+                               OnnxConfig, ParallelConfig, SchedulerConfig, parse_kv_transfer_config,
+                               SpeculativeConfig)
 
 
 def check_device(device: str) -> None:
@@ -82,6 +83,33 @@ def kv_transfer_config(args, world_size: int):
     return kv
 
 
+def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
+    """The speculative-decoding section: the options checked, a draft model's config read (not its
+    weights) and checked against the target's vocabulary."""
+    if args.speculative_config is None:
+        return None
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config: speculative decoding runs with one rank only for now "
+                         "(tensor_parallel_size = pipeline_parallel_size = 1)")
+    if spec.method != "draft_model":
+        return spec
+    from dataclasses import replace
+
+    from splitserve.loading.resolve import resolve_model
+    from splitserve.models.loader import load_hf_config
+    source = resolve_model(spec.model)
+    draft = load_hf_config(source)
+    if draft.vocab_size != hf_config.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
+                         f"the target's ({hf_config.vocab_size}); a draft model must share the target's tokenizer")
+    context = getattr(draft, "max_position_embeddings", None) or 2048
+    if context < max_model_len:
+        raise ValueError(f"speculative_config: the draft model's context ({context}) is shorter than max_model_len "
+                         f"({max_model_len})")
+    return replace(spec, draft_source=source, draft_hf_config=draft)
+
+
 def build_engine_config(args) -> EngineConfig:
     """`args`: an engine.args.EngineArgs (called by its create_engine_config)."""
     import torch
@@ -132,6 +160,7 @@ def build_engine_config(args) -> EngineConfig:
         load=LoadConfig(source, tokenizer_source, args.random_weights),
         lora=lora_config(args), onnx=onnx,
         kv_transfer=kv_transfer_config(args, args.world_size),
+        speculative=speculative_config(args, hf_config, max_model_len),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),

@@ -235,7 +235,11 @@ def total_stats(replicas: list[Replica]) -> SchedulerStats:
                           num_preemptions=sum(s.num_preemptions for s in ss),
                           num_received=sum(s.num_received for s in ss),
                           num_receiving=sum(s.num_receiving for s in ss), num_held=sum(s.num_held for s in ss),
-                          prompt_tokens_computed=sum(s.prompt_tokens_computed for s in ss))
+                          prompt_tokens_computed=sum(s.prompt_tokens_computed for s in ss),
+                          spec_num_drafts=sum(s.spec_num_drafts for s in ss),
+                          spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in ss),
+                          spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in ss),
+                          spec_accepted_per_pos=[sum(p) for p in zip(*(s.spec_accepted_per_pos for s in ss))])
 
 
 def replica_devices(config: EngineConfig, num_gpus: int | None = None) -> list[str | None]:

@@ -51,7 +51,12 @@ class InProcessExecutor:
                 self.lora = build_manager(config, pin_memory=next(model.parameters()).is_cuda)
                 lora_worker = build_worker(config, model)
             if config.onnx is None:
-                self.runner = ModelRunner(config, model, lora_worker)
+                draft = None
+                spec = config.speculative
+                if spec is not None and spec.method == "draft_model":  # a second model in this worker
+                    _, draft = load_model(spec.draft_source, spec.draft_hf_config, m.dtype, device,
+                                          config.load.random_weights, None, m.max_model_len)
+                self.runner = ModelRunner(config, model, lora_worker, draft)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)
             if bytecode is not None:
@@ -64,6 +69,9 @@ class InProcessExecutor:
         self.kv_caches = self.runner.kv_caches  # for a KV connector (kv_transfer/)
         # Blocks every layer's window has passed go back to the pool (None: some layer sees everything).
         self.kv_free_window = kv_free_window(model)
+        if draft is not None and self.kv_free_window is not None:  # the draft reads the same blocks
+            draft_window = kv_free_window(draft)
+            self.kv_free_window = None if draft_window is None else max(self.kv_free_window, draft_window)
         if config.seed is not None:  # after warm-up: the same seed gives the same draws whatever it ran
             seed_everything(config.seed)
 

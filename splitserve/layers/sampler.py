@@ -87,6 +87,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         device = logits.device
         num_top = meta.max_num_logprobs
+        logits, raw_logprobs = self.process(logits, meta)
+        tokens = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            sampled = self.race(self.probs(logits, meta), meta)
+            tokens = torch.where(_to_device(meta.greedy, device), tokens, sampled)
+
+        out = SamplerOutput(tokens, needs_host_tokens=meta.needs_host_tokens)
+        if raw_logprobs is not None:
+            out.logprobs, out.logprob_ids, out.logprob_ranks = token_logprobs(raw_logprobs, tokens, num_top)
+        return out
+
+    def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits every row samples from, after penalties and the per-request changes (allowed
+        tokens, biases and bans, grammar masks), and the raw log-probabilities when a row asks for
+        logprobs. Shared with the speculative verifier (layers/rejection_sampler.py)."""
+        device = logits.device
+        num_top = meta.max_num_logprobs
         needs_penalties = meta.needs_penalties
         if num_top is not None or needs_penalties or not meta.all_greedy:
             # Softmax and penalties in fp32. A plain greedy batch skips the copy (1,000 rows of a
@@ -105,16 +122,7 @@ class Sampler:
         if meta.grammar_rows is not None:
             apply_token_bitmask(logits, _to_device(meta.grammar_rows, device),
                                 _to_device(meta.grammar_bitmask.numpy(), device))
-
-        tokens = logits.argmax(dim=-1)
-        if not meta.all_greedy:
-            sampled = self._sample(logits, meta)
-            tokens = torch.where(_to_device(meta.greedy, device), tokens, sampled)
-
-        out = SamplerOutput(tokens, needs_host_tokens=meta.needs_host_tokens)
-        if raw_logprobs is not None:
-            out.logprobs, out.logprob_ids, out.logprob_ranks = token_logprobs(raw_logprobs, tokens, num_top)
-        return out
+        return logits, raw_logprobs
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, penalties: list[PenaltyRow]) -> torch.Tensor:
@@ -146,7 +154,9 @@ class Sampler:
         logits[rows_t] = logits[rows_t].masked_fill(~keep, float("-inf"))
 
     @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Each row's sampling weights over the vocabulary (temperature, top-k, top-p, min-p applied;
+        not renormalised after the cuts: the exponential race does not need it)."""
         device = logits.device
         temperature = _to_device(np.maximum(meta.temperature, 1e-5).astype(np.float32), device)
         logits = logits / temperature[:, None]
@@ -167,6 +177,13 @@ class Sampler:
         if (meta.min_p > 0).any():
             min_p = _to_device(meta.min_p.astype(np.float32), device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    @staticmethod
+    def race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """One token per row, drawn in proportion to the row's weights (the exponential race); a
+        row with a generator draws from it."""
+        device = probs.device
         q = torch.empty_like(probs)
         for i in sorted(meta.generators):
             q[i].exponential_(generator=meta.generators[i])

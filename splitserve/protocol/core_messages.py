@@ -95,6 +95,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_held: int = 0       # finished requests whose blocks a producer holds for a remote reader
     prompt_tokens_computed: int = 0  # prompt tokens run by steps (not prefix-cached, not loaded)
     kv_transfer: KVTransferCounters | None = None
+    # Speculative decoding (vLLM's spec_decode counters): sequences that verified drafts, their draft
+    # tokens, the accepted ones, and accepted drafts by position (0 = the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

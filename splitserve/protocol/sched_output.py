@@ -101,6 +101,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Vision-language models: images of requests still waiting, each announced once, so the worker can
     # encode them ahead, beside the steps before their admission (multimodal/step.py).
     mm_prefetch: dict[str, tuple[ImageItem, ...]] = {}
+    # Speculative decoding: the draft tokens each verifying request runs after its last token (they
+    # count in its num_scheduled_tokens); the worker proposed them at the end of an earlier step.
+    spec_token_ids: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:

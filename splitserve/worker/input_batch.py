@@ -253,3 +253,19 @@ class InputBatch:
             r = np.array(rows, dtype=np.int64)
             self.token_ids[r, self.num_known[r]] = values
             self.num_known[r] += 1
+
+    def record_verified(self, states: list[CachedRequestState], tokens: list[list[int]], rejected: list[int]) -> None:
+        """A verify step's tokens reached the host: each request's accepted drafts and the token after
+        them become known, and its computed count goes back by its rejected drafts (their K/V slots
+        are rewritten by the next step). Verify steps are collected before the next launch."""
+        for state, new, num_rejected in zip(states, tokens, rejected):
+            state.output_token_ids += new
+            row = state.row
+            if row < 0:  # left the batch while the step ran
+                state.num_pending = max(0, state.num_pending - 1)
+                continue
+            known = int(self.num_known[row])
+            self.token_ids[row, known:known + len(new)] = new
+            self.num_known[row] = known + len(new)
+            self.num_tokens[row] += len(new) - 1  # the one pending token counted at launch, and the rest
+            self.num_computed[row] -= num_rejected

@@ -20,6 +20,7 @@ from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.protocol.sched_output import SchedulerOutput
 from splitserve.layers.linear import cheaper_at_one_row
+from splitserve.layers.rejection_sampler import RejectionSampler, VerifyLayout
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.models.interfaces import capabilities_of
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -27,6 +28,7 @@ from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs,
                                                prompt_logprobs_by_request)
 from splitserve.worker.sampling_metadata import build_sampling_metadata
+from splitserve.worker.spec_decode import NgramProposer, expand_metadata, verified_logprobs, write_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class _Staging:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.tensors = {
             "input_ids": buf(max_tokens, torch.long), "positions": buf(max_tokens, torch.long),
-            "slot_mapping": buf(max_tokens, torch.long), "logits_indices": buf(max_seqs, torch.long),
+            # logits rows: one per sampling sequence, and one per draft token of verifying ones
+            "slot_mapping": buf(max_tokens, torch.long), "logits_indices": buf(max(max_seqs, max_tokens), torch.long),
             "query_start_loc": buf(max_seqs + 1, torch.int32), "seq_lens": buf(max_seqs, torch.int32),
             "block_tables": buf(max_seqs * max_blocks, torch.int32),
             "fill_dst": buf(max_seqs, torch.long), "fill_src": buf(max_seqs, torch.long)}
@@ -71,6 +74,11 @@ class InFlightStep:
     awaiting_mask: tuple | None = None
     # prompt_logprobs: the plan and (values, ids, ranks) on the host, copied without blocking
     prompt_logprobs: tuple[PromptLogprobsPlan, tuple] | None = None
+    # Speculative decoding: the verify layout of its sampling rows (None: no row verifies drafts),
+    # and the drafts each sampling row checked (host lists, in row order).
+    verify: VerifyLayout | None = None
+    drafts: list[list[int]] | None = None
+    propose: bool = False  # drafts are proposed from its tokens at collect
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -139,6 +147,9 @@ class ForwardBatch:
     # the results on the device once the model has run.
     prompt_logprobs: PromptLogprobsPlan | None = None
     prompt_logprobs_out: tuple | None = None
+    # Speculative decoding: the drafts each sampling row verifies (None: none in this step).
+    verify: VerifyLayout | None = None
+    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -149,16 +160,30 @@ class StepResult:
     logprob_ranks: dict[str, int] = field(default_factory=dict)
     # prompt_logprobs computed this step: {id: (first prompt-token index, entries, ranks)}, plain data
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
+    # Speculative decoding: the tokens after the first of requests that accepted drafts (and their
+    # logprobs and ranks, when asked), and drafts proposed for each request's next step.
+    more_tokens: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    more_logprob_ranks: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, lora=None):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, lora=None, draft_model=None):
         self.config = config
         self.lora = lora  # lora.worker.LoRAWorker when LoRA is enabled
         self.model = model
         self.device = torch.device(config.device)
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler()
+        # Speculative decoding (worker/spec_decode.py): the drafts' proposer and their verifier.
+        self.spec = config.speculative
+        self.verifier = RejectionSampler(self.sampler) if self.spec is not None else None
+        self.proposer = None
+        if self.spec is not None and self.spec.method == "ngram":
+            self.proposer = NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,
+                                          self.spec.prompt_lookup_max)
+        self.drafter = None  # worker.draft_model.DraftModelProposer: a second model with its own KV tensors
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = config.cache.block_size
         # The cache's element type: the model's, or FP8 e4m3 (1 byte: twice the tokens of bf16 in the
@@ -187,6 +212,13 @@ class ModelRunner:
             from splitserve.worker.encoder_decoder import EncoderDecoderStep
             self.encdec = EncoderDecoderStep(model, self.backend, config.scheduler.max_num_seqs,
                                              config.scheduler.max_num_batched_tokens, self.block_size, self.device)
+        if draft_model is not None:
+            if self.mm is not None or self.encdec is not None:
+                raise ValueError("speculative_config: a draft model serves text decoder models only")
+            from splitserve.worker.draft_model import DraftModelProposer
+            self.drafter = DraftModelProposer(draft_model, self.spec.draft_hf_config, self.spec.num_speculative_tokens,
+                                              self.block_size, self.max_blocks_per_seq, self.backend,
+                                              self.kv_cache_dtype, self.device)
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_layout(self) -> tuple[int, int]:
@@ -202,7 +234,9 @@ class ModelRunner:
         m = self.config.model
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         num_layers, num_kv_heads = self.kv_layout()
-        return 2 * self.block_size * num_kv_heads * m.head_dim * elem * num_layers
+        # (a draft model's cache has the same blocks: budgeted together)
+        draft = self.drafter.bytes_per_block() if self.drafter is not None else 0
+        return 2 * self.block_size * num_kv_heads * m.head_dim * elem * num_layers + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -238,6 +272,8 @@ class ModelRunner:
             # A cross-attention layer shares its decoder layer's tensor (its blocks are another group's).
             if isinstance(module, Attention) or getattr(module, "shares_layer_kv_cache", False):
                 module.kv_cache = self.kv_caches[module.layer_idx]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block() / (1 << 30), str(self.kv_cache_dtype).removeprefix("torch."))
 
@@ -251,6 +287,8 @@ class ModelRunner:
         start = time.perf_counter()
         if self.encdec is None:
             compile_decoder_layers(self.model)
+        if self.drafter is not None:
+            compile_decoder_layers(self.drafter.model)
         sizes = self.decode_graph_sizes()
         m = self.config.model
         lora_state = None if self.lora is None else self.lora.model.state  # graphs with the LoRA delta too
@@ -263,6 +301,10 @@ class ModelRunner:
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.graphs.capture(pool, stream)
+        if self.drafter is not None:  # its proposal forwards: one token per sequence, like a decode step
+            # (a pool of their own: they replay between the target's graphs of a step)
+            self.drafter.setup_graphs([b for b in sizes if b > 1] or [2], m.max_model_len,
+                                      torch.cuda.graph_pool_handle(), stream)
         budget = self.config.scheduler.max_num_batched_tokens
         piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
         if piecewise_sizes and self.encdec is None and supports_piecewise(self.model):
@@ -291,6 +333,9 @@ class ModelRunner:
             meta, positions = warm_up_batch(num_seqs, q_len, context, self.block_size, self.device)
             with forward_context(ForwardContext(meta, self.backend)):
                 self.model(torch.zeros(positions.shape[0], dtype=torch.long, device=self.device), positions)
+            if self.drafter is not None:  # its compiled layers too (a draft forward runs in every step)
+                self.drafter.run_step(torch.zeros(positions.shape[0], dtype=torch.long, device=self.device),
+                                      positions, meta)
             logger.debug("warm-up step of %d x %d tokens after %d took %.2f s", num_seqs, q_len, context,
                          time.perf_counter() - t)
 
@@ -301,6 +346,8 @@ class ModelRunner:
         launch)."""
         if self.lora is not None:
             self.lora.apply_loads(sched.lora_loads)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids + sched.preempted_req_ids)
         self.input_batch.update(sched)
         if self.encdec is not None:
             self.encdec.update(sched)
@@ -314,6 +361,8 @@ class ModelRunner:
         ib = self.input_batch
         if self.lora is not None:  # slots first: new rows look their adapter's slot up
             self.lora.apply_loads(sched.lora_loads)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids + sched.preempted_req_ids)
         ib.update(sched)
         bs = self.block_size
         st = self.stagings[self.num_launched % 2]
@@ -330,6 +379,10 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)
         last = qsl[1:].astype(np.int64) - 1  # flat row of each sequence's last token
+        # Speculative decoding: a verifying sequence's drafts follow its known tokens in its row
+        # (tentatively: collect keeps the accepted ones); ends = where its verified tokens end.
+        num_drafts = write_drafts(ib, sched.spec_token_ids, nst, rows)
+        ends = seq_lens - num_drafts
 
         # position of every token = its sequence's start + offset within the step's chunk
         seq_index = np.repeat(np.arange(num_seqs), counts)
@@ -345,24 +398,37 @@ class ModelRunner:
 
         # A sequence whose last input is past its known tokens runs on the token the in-flight step
         # sampled for it (async scheduling); only the last input can be pending.
-        pending = np.flatnonzero(seq_lens > ib.num_known[rows])
+        pending = np.flatnonzero(ends > ib.num_known[rows])
         # Sequences whose tokens are all computed after this step sample their next token.
-        samples = np.flatnonzero(seq_lens == ib.num_tokens[rows])
+        samples = np.flatnonzero(ends == ib.num_tokens[rows])
         sample_rows = rows[samples]
         num_samples = len(samples)
-        st.logits_indices[:num_samples] = last[samples]
         sample_requests = [ib.row_states[r] for r in sample_rows.tolist()]
         meta_sampling = None
         if num_samples:
             meta_sampling = build_sampling_metadata(ib, sample_rows, sample_requests,
-                                                    seq_lens[samples] - ib.num_prompt[sample_rows], self.device,
+                                                    ends[samples] - ib.num_prompt[sample_rows], self.device,
                                                     sched.grammar)
+        verify = drafts = None
+        if sched.spec_token_ids and num_samples:
+            # d + 1 logits rows per sampling sequence: its last token's and each draft's.
+            spec = sched.spec_token_ids
+            drafts = [spec.get(state.req_id, []) for state in sample_requests]
+            verify = VerifyLayout.build(drafts)
+            d = num_drafts[samples]
+            first = np.repeat(last[samples] - d, d + 1)
+            st.logits_indices[:verify.num_rows] = first + np.arange(verify.num_rows) - verify.row_start.repeat(d + 1)
+            meta_sampling = expand_metadata(meta_sampling, d + 1)
+            num_logits = verify.num_rows
+        else:
+            st.logits_indices[:num_samples] = last[samples]
+            num_logits = num_samples
         fill_src = None
         if len(pending):
             assert inflight is not None and inflight.token_ids is not None, "pending tokens without a step in flight"
             pending_rows = rows[pending]
             assert (ib.pending_step[pending_rows] == inflight.step_no).all(), "pending token of another step"
-            assert (seq_lens[pending] == ib.num_known[pending_rows] + 1).all(), "more than one pending input"
+            assert (ends[pending] == ib.num_known[pending_rows] + 1).all(), "more than one pending input"
             st.fill_dst[:len(pending)] = last[pending]
             st.fill_src[:len(pending)] = fill_src = ib.pending_src[pending_rows]
         # Before record_launch: rows that sample now have sampled nothing yet.
@@ -390,8 +456,9 @@ class ModelRunner:
             input_ids=input_ids,
             positions=t["positions"][:total].to(dev, non_blocking=True),
             meta=meta,
-            logits_indices=t["logits_indices"][:num_samples].to(dev, non_blocking=True),
-            sample_requests=sample_requests, sampling_metadata=meta_sampling, prompt_logprobs=plan)
+            logits_indices=t["logits_indices"][:num_logits].to(dev, non_blocking=True),
+            sample_requests=sample_requests, sampling_metadata=meta_sampling, prompt_logprobs=plan,
+            verify=verify, drafts=drafts)
         if self.mm is not None:
             # Sequences that compute tokens before the end of their last image run.
             mm = np.flatnonzero(starts < ib.mm_end[rows])
@@ -441,8 +508,11 @@ class ModelRunner:
             self.encdec.prepare(sched, batch.meta, self.input_batch)
         if self.mm is not None and batch.mm_spans:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
-        step = InFlightStep(sched, batch.sample_requests, step_no)
+        step = InFlightStep(sched, batch.sample_requests, step_no, verify=batch.verify, drafts=batch.drafts,
+                            propose=self._proposes(batch))
         logits = self._forward_logits(batch)
+        if self.drafter is not None:  # its cache follows the target's
+            self.drafter.run_step(batch.input_ids, batch.positions, batch.meta)
         if self.mm is not None:  # images of waiting requests, encoded beside this step's forward
             self.mm.prefetch(sched)
         if batch.prompt_logprobs_out is not None:
@@ -453,7 +523,9 @@ class ModelRunner:
         if logits is not None and sched.grammar is not None and sched.grammar.bitmask is None:
             batch.sampling_metadata.grammar_after_launch = True
             step.awaiting_mask = (logits, batch.sampling_metadata)  # `sample` finishes the step
-            step.needs_sync = batch.sampling_metadata.needs_host_tokens  # known before it samples
+            # known before it samples; drafts are proposed from the step's tokens, which the next
+            # step's schedule needs: such a step is collected before the next one is launched
+            step.needs_sync = batch.sampling_metadata.needs_host_tokens or step.propose
             return step
         if logits is not None:
             self._sample(step, logits, batch.sampling_metadata)
@@ -470,10 +542,27 @@ class ModelRunner:
         self._sample(step, logits, meta)
         self._record_done(step)
 
+    def _proposes(self, batch: ForwardBatch) -> bool:
+        """Whether drafts are proposed from this step's tokens: speculation is on and the running
+        batch is below disable_by_batch_size (the scheduler makes the same cut)."""
+        spec = self.spec
+        return (spec is not None and bool(batch.sample_requests)
+                and (spec.disable_by_batch_size is None or self.input_batch.num_reqs < spec.disable_by_batch_size))
+
     def _sample(self, step: InFlightStep, logits: torch.Tensor, meta) -> None:
+        if step.verify is not None:
+            q = None if self.drafter is None else self.drafter.draft_probs(
+                step.sample_requests, step.drafts, step.verify, logits.shape[1])
+            out = self.verifier(logits, meta, step.verify, q)
+            step.token_ids = out.first_token
+            step.needs_sync = True  # the verified tokens decide the next step's inputs and drafts
+            step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
+                              for x in (out.first_token, out.logprobs, out.logprob_ids, out.logprob_ranks,
+                                        out.num_accepted, out.next_token))
+            return
         out = self.sampler(logits, meta)
         step.token_ids = out.token_ids
-        step.needs_sync = out.needs_host_tokens
+        step.needs_sync = out.needs_host_tokens or step.propose
         # Device-to-host copies with non_blocking land in pinned memory, asynchronously.
         step.host = tuple(x.to("cpu", non_blocking=True) if x is not None else None
                           for x in (out.token_ids, out.logprobs, out.logprob_ids, out.logprob_ranks))
@@ -495,6 +584,8 @@ class ModelRunner:
             if step.prompt_logprobs is not None else {}
         if step.token_ids is None:
             return StepResult({}, {}, prompt_logprobs=prompt)
+        if step.verify is not None:
+            return self._collect_verified(step, prompt)
         token_ids, logprob_vals, logprob_ids, logprob_ranks = step.host
         tokens = token_ids.tolist()
         states = step.sample_requests
@@ -510,4 +601,40 @@ class ModelRunner:
                         entry.setdefault(t, v)
                     logprobs[r.req_id] = entry
                     ranks[r.req_id] = all_ranks[i]
-        return StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks, prompt)
+        result = StepResult(dict(zip([r.req_id for r in states], tokens)), logprobs, ranks, prompt)
+        if step.propose:
+            result.draft_token_ids = self._propose(states)
+        return result
+
+    def _collect_verified(self, step: InFlightStep, prompt: dict) -> StepResult:
+        """A verify step's results: each row's accepted drafts and the token after them recorded in
+        the persistent batch (its computed count back by the rejected drafts), with their logprobs."""
+        _, logprob_vals, logprob_ids, logprob_ranks, num_accepted, next_token = step.host
+        states, drafts = step.sample_requests, step.drafts
+        accepted, nexts = num_accepted.tolist(), next_token.tolist()
+        new_tokens = [d[:m] + [t] for d, m, t in zip(drafts, accepted, nexts)]
+        self.input_batch.record_verified(states, new_tokens, [len(d) - m for d, m in zip(drafts, accepted)])
+        result = StepResult({s.req_id: t[0] for s, t in zip(states, new_tokens)}, {}, prompt_logprobs=prompt)
+        for state, tokens in zip(states, new_tokens):
+            if len(tokens) > 1:
+                result.more_tokens[state.req_id] = tokens[1:]
+        if logprob_vals is not None:
+            verified_logprobs(result, states, new_tokens, step.verify.row_start.tolist(),
+                              logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist())
+        if step.propose:
+            result.draft_token_ids = self._propose(states)
+        return result
+
+    def _propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
+        """Drafts for each sampling request still in the batch that may speculate."""
+        ib, out = self.input_batch, {}
+        if self.drafter is not None:
+            return self.drafter.propose(ib, states)
+        if self.proposer is None:
+            return out
+        states = [s for s in states if s.row >= 0 and s.sampling_params.allows_speculation]
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        for state, drafts in zip(states, self.proposer.propose_many(ib.token_ids, rows, ib.num_known[rows])):
+            if drafts:
+                out[state.req_id] = drafts
+        return out

@@ -125,3 +125,17 @@ def test_kv_transfer_counters_and_histogram():
     assert sample(text, "splitserve:kv_transfer_time_seconds_count") == 3
     plain = ServerMetrics("m", lambda: SchedulerStats(), cache_info=CACHE).render().decode()
     assert "kv_transfer_sent" not in plain  # no connector: no KV-transfer families
+
+
+def test_spec_decode_counters_under_both_names():
+    stats = SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=9,
+                           spec_accepted_per_pos=[4, 3, 2, 0])
+    text = ServerMetrics("m", lambda: stats, cache_info=CACHE, compat="vllm").render().decode()
+    for prefix in ("splitserve:", "vllm:"):
+        assert sample(text, prefix + "spec_decode_num_drafts_total", model_name="m") == 5
+        assert sample(text, prefix + "spec_decode_num_draft_tokens_total", model_name="m") == 20
+        assert sample(text, prefix + "spec_decode_num_accepted_tokens_total", model_name="m") == 9
+        assert sample(text, prefix + "spec_decode_num_accepted_tokens_per_pos_total", model_name="m",
+                      position="1") == 3
+    # without speculation the families are absent
+    assert "spec_decode" not in ServerMetrics("m", SchedulerStats, cache_info=CACHE).render().decode()
