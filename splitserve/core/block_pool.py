@@ -9,10 +9,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: tuple = ()) -> int:
-    """Chained block hash: equal only if the whole prefix up to and including this block is equal
-    (with overwhelming probability; hits are confirmed against the stored tokens anyway)."""
-    return hash((parent_hash, token_ids, extra))
 
 
 @dataclass

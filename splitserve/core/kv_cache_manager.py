@@ -27,7 +27,8 @@ miss in the pool that hits the host tier gets fresh blocks filled from it (`get_
 """
 from __future__ import annotations
 
-from splitserve.core.block_pool import BlockPool, KVBlock, hash_block
+from splitserve.core.block_pool import BlockPool, KVBlock
+from splitserve.protocol.block_hash import hash_block
 from splitserve.core.request import Request
 
 

@@ -142,6 +142,7 @@ class AsyncLLMEngine:
         self._max_running = front.config.scheduler.max_num_seqs
         self._ready_timeout: float | None = None
         self._config = front.config      # what a replica that died is restarted with
+        self._restarts: list[threading.Thread] = []  # threads restarting replicas (joined at shutdown)
 
     @staticmethod
     def _run_core_thread(core, placement: CorePlacement) -> None:
@@ -220,6 +221,8 @@ class AsyncLLMEngine:
         for r in self.replicas:
             if r.placement.alive():
                 self._send(r, Shutdown())
+        for t in self._restarts:  # a restart in progress gives up (and stops what it started)
+            await loop.run_in_executor(None, t.join, timeout)
         for r in self.replicas:
             await loop.run_in_executor(None, r.placement.join, timeout)
             await loop.run_in_executor(None, r.join_receiver, timeout)
@@ -440,8 +443,10 @@ class AsyncLLMEngine:
         self._fail(ids, ReplicaLostError(f"engine replica {replica.index} failed ({why}); retry the request"))
         if self._router is not None:
             self._router.forget(replica.index)
-        threading.Thread(target=self._restart, args=(replica, placement), daemon=True,
-                         name=f"splitserve-core-restart-{replica.index}").start()
+        thread = threading.Thread(target=self._restart, args=(replica, placement), daemon=True,
+                                  name=f"splitserve-core-restart-{replica.index}")
+        self._restarts.append(thread)
+        thread.start()
 
     def _restart(self, replica: Replica, old: CorePlacement) -> None:
         """On a thread of its own: the old core is made sure dead, then a new one is started and
@@ -454,14 +459,21 @@ class AsyncLLMEngine:
             placement = None
             try:
                 placement = self._start_core_on_loop(replica)
-                ready = placement.wait_ready(self._ready_timeout)
+                ready = placement.wait_ready(self._ready_timeout, lambda: self._stopping)
             except Exception as e:
+                if self._stopping:
+                    if placement is not None:
+                        placement.kill()
+                        placement.close()
+                    return
                 logger.error("engine core %d did not restart: %s; retrying in %.0f s", replica.index, e, delay)
                 if placement is not None:
                     placement.kill()
                     placement.close()
                 replica.last_error = str(e)
-                time.sleep(delay)
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline and not self._stopping:
+                    time.sleep(0.1)
                 delay = min(delay * 2, 30.0)
                 continue
             try:

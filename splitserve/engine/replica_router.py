@@ -2,7 +2,7 @@
 
 Two signals, as the front sees them:
 - prefix affinity: the chained hashes of the prompt's first full KV blocks, computed as the prefix
-  cache computes them (core/block_pool.hash_block, with the LoRA adapter as the extra key), mapped
+  cache computes them (protocol/block_hash.hash_block, with the LoRA adapter as the extra key), mapped
   to the replica that was last sent a prompt with that block. The longest known prefix wins: that
   replica most likely still holds the blocks, and a hit there skips their prefill.
 - load: a replica's sequences in flight (sent and not finished; the front's own count, exact the
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from splitserve.core.block_pool import hash_block
+from splitserve.protocol.block_hash import hash_block
 
 
 class ReplicaRouter:

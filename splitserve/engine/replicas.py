@@ -110,12 +110,15 @@ class CorePlacement:
     def pid(self) -> int | None:
         return None if self.host is None else self.host.pid
 
-    def wait_ready(self, timeout: float | None) -> CoreReady:
-        """The core's first message (raises with the core's own start-up error, or if it died)."""
+    def wait_ready(self, timeout: float | None, stop: Callable[[], bool] = lambda: False) -> CoreReady:
+        """The core's first message (raises with the core's own start-up error, if it died, or when
+        `stop()` turns true: the server is stopping while a replica restarts)."""
         import time
         deadline = None if timeout is None else time.monotonic() + timeout
         decoder = Codec(CoreToFront)
         while deadline is None or time.monotonic() < deadline:
+            if stop():
+                raise RuntimeError("the server is stopping")
             if self.output.poll(WATCH_INTERVAL_MS):
                 msg = decoder.decode(self.output.recv())
                 if not isinstance(msg, CoreReady):

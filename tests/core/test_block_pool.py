@@ -1,6 +1,7 @@
 import pytest
 
-from splitserve.core.block_pool import BlockPool, hash_block
+from splitserve.core.block_pool import BlockPool
+from splitserve.protocol.block_hash import hash_block
 
 
 def cache(pool, block, tokens, parent=None):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from splitserve.config import ParallelConfig
-from splitserve.core.block_pool import hash_block
+from splitserve.protocol.block_hash import hash_block
 from splitserve.engine.replica_router import ReplicaRouter
 from splitserve.engine.replicas import replica_devices
 

@@ -116,14 +116,14 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["serve", "m", "--data-parallel-size", "2"], "--data-parallel-size"),
-    (["serve", "m", "-dp", "2"], "-dp"),
+    (["serve", "m", "--data-parallel-rank", "2"], "--data-parallel-rank"),
+    (["serve", "m", "-dpl", "2"], "-dpl"),
     (["serve", "m", "--trust-remote-code"], "--trust-remote-code"),
     (["serve", "m", "--max-logprobs=5"], "--max-logprobs"),
     (["serve", "m", "--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
-    (["serve", "m", "--max-model-len", "64", "--speculative-config", "{}"], "--speculative-config"),
+    (["serve", "m", "--max-model-len", "64", "--kv-events-config", "{}"], "--kv-events-config"),
     (["generate", "--prompt", "x", "--enable-expert-parallel"], "--enable-expert-parallel"),
-    (["bench", "throughput", "m", "--data-parallel-size", "2"], "--data-parallel-size"),
+    (["bench", "throughput", "m", "--enable-eplb"], "--enable-eplb"),
 ])
 def test_unsupported_vllm_flag_is_one_line_and_exit_2(argv, flag, capsys):
     assert cli.main(argv) == 2
@@ -154,8 +154,8 @@ def test_no_vllm_flag_that_splitserve_has_is_reported():
 
 def test_a_vllm_keyword_of_llm_names_it():
     from splitserve.engine.llm import LLM
-    with pytest.raises(TypeError, match="data_parallel_size is a vLLM option splitserve does not support"):
-        LLM("/no/such/model", data_parallel_size=2)
+    with pytest.raises(TypeError, match="data_parallel_rank is a vLLM option splitserve does not support"):
+        LLM("/no/such/model", data_parallel_rank=2)
 
 
 def test_device_cuda_without_a_gpu_is_one_line(capsys):
