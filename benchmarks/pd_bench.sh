@@ -6,13 +6,19 @@
 # the same rate and seeds. Greedy parity: PARITY prompts (~1,000 tokens, 32 greedy tokens) through the
 # router against the colocated server, both plain and with the prompt already in its prefix cache (the
 # decode side computes only the last prompt token, as a prefix hit does). Prints a table last.
-#   usage: [RATE=16] [NUM=200] [SEED=7200] [PARITY=16] [COLO_UTIL=0.45] [CFG=benchmarks/configs/llama3-8b] benchmarks/pd_bench.sh
-# Needs NIXL (pip install nixl-cu13, or carry the wheel: ../shared/device/carry-wheels nixl-cu13).
+#   usage: [RATE=16] [NUM=200] [SEED=7200] [PARITY=16] [COLO_UTIL=0.45] [CFG=benchmarks/configs/llama3-8b]
+#          [PORT=8011 (prefill; decode +1, router +9, its metrics +10)] [KV_PORT=14579] benchmarks/pd_bench.sh
+# Needs NIXL (pip install nixl-cu13). On the device the nixl-cu13 wheel (59 MB) and the server's wheels
+# (fastapi, uvicorn, httptools, pydantic, msgspec, pyzmq, typing_extensions, vllm-router: ~27 MB) do not
+# fit one call's 64 MiB: install them in two calls into ignored folders (e.g. build/site_nixl, then
+# build/site_srv: ignored outputs stay on a warm machine), then run this with both on PYTHONPATH.
+# CFG needs a tokenizer beside config.json on the device (ab_same_lease.sh prepare makes .devcarry/llama3-8b).
 # UCX's CUDA transports load only with the CUDA runtime on LD_LIBRARY_PATH (torch's nvidia/cu13/lib),
 # set here before the servers start; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y is set by splitserve itself.
 # Results (bench serve JSON, logs, parity texts) go to ${OUT:-.}.
 set -u
 out=${OUT:-.}; rate=${RATE:-16}; n=${NUM:-200}; seed0=${SEED:-7200}; parity=${PARITY:-16}
+pp=${PORT:-8011}; dp=$((pp + 1)); rp=$((pp + 9)); kvp=${KV_PORT:-14579}
 cfg=${CFG:-benchmarks/configs/llama3-8b}
 cudalib=$(python -c "import nvidia, os; print(':'.join(p for d in nvidia.__path__ for p in (os.path.join(d, 'cu13', 'lib'), os.path.join(d, 'cuda_runtime', 'lib')) if os.path.isdir(p)))" 2>/dev/null)
 export LD_LIBRARY_PATH="${cudalib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -61,30 +67,30 @@ metrics() {  # port, file
   curl -sf http://127.0.0.1:$1/metrics > "$out/$2" || true
 }
 
-# --- disaggregated: prefill 8011 (kv_port 14579), decode 8012, router 8020
-serve 8011 prefill.log --gpu-memory-utilization 0.45 \
-    --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_port":14579}'; p=$PID
-wait_up 8011 $p || exit 1  # one at a time: both profile the free GPU memory at start-up
-serve 8012 decode.log --gpu-memory-utilization 0.45 \
+# --- disaggregated: prefill (kv_port KV_PORT), decode, router
+serve $pp prefill.log --gpu-memory-utilization 0.45 \
+    --kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\",\"kv_port\":$kvp}"; p=$PID
+wait_up $pp $p || exit 1  # one at a time: both profile the free GPU memory at start-up
+serve $dp decode.log --gpu-memory-utilization 0.45 \
     --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'; d=$PID
-wait_up 8012 $d || exit 1
+wait_up $dp $d || exit 1
 grep -E "KV cache|ready|NIXL|UCX" "$out/prefill.log" "$out/decode.log" | head -12
-python -m splitserve router --pd --prefill http://127.0.0.1:8011 --decode http://127.0.0.1:8012 \
-    --port 8020 --metrics-port 8021 >"$out/router.log" 2>&1 &
+python -m splitserve router --pd --prefill http://127.0.0.1:$pp --decode http://127.0.0.1:$dp \
+    --port $rp --metrics-port $((rp + 1)) >"$out/router.log" 2>&1 &
 router=$!; pids="$pids $router"
-wait_up 8020 $router || exit 1
-greedy 8020 "$out/parity_pd.json" 0
-metrics 8012 decode_after_parity.prom
-for s in 1 2; do bench 8020 $((seed0 + s)) pd_$s; done
-metrics 8012 decode.prom; metrics 8011 prefill.prom
+wait_up $rp $router || exit 1
+greedy $rp "$out/parity_pd.json" 0
+metrics $dp decode_after_parity.prom
+for s in 1 2; do bench $rp $((seed0 + s)) pd_$s; done
+metrics $dp decode.prom; metrics $pp prefill.prom
 kill -TERM $router $d $p; wait $router $d $p 2>/dev/null
 
 # --- colocated: one server at COLO_UTIL
-serve 8011 colocated.log --gpu-memory-utilization ${COLO_UTIL:-0.45}; c=$PID
-wait_up 8011 $c || exit 1
-greedy 8011 "$out/parity_colo.json" 0
-greedy 8011 "$out/parity_colo_cached.json" 1
-for s in 1 2; do bench 8011 $((seed0 + s)) colo_$s; done
+serve $pp colocated.log --gpu-memory-utilization ${COLO_UTIL:-0.45}; c=$PID
+wait_up $pp $c || exit 1
+greedy $pp "$out/parity_colo.json" 0
+greedy $pp "$out/parity_colo_cached.json" 1
+for s in 1 2; do bench $pp $((seed0 + s)) colo_$s; done
 kill -TERM $c; wait $c 2>/dev/null
 
 python - "$out" <<'EOF'

@@ -5,15 +5,16 @@ It is a TcpConnector for everything NIXL does not carry: the producer's side cha
 `kv_ip:kv_port` answers the handshake (`meta`, which here also carries the NIXL agent's metadata,
 pool layout and addresses: `NixlKVTransport.metadata()`), holds finished requests' blocks and frees
 them at lease end. The data never goes through that channel:
-- Consumer: `load_async` posts one READ of the producer's blocks into the request's own blocks
+- Consumer: `load_async` queues one READ of the producer's blocks into the request's own blocks
   (every layer; notification = the producer's request id). The first load from a producer first
-  fetches its metadata on a reader thread (a zmq round trip); the READ is posted from `poll` once
-  it is there. `poll` checks the handles: DONE -> LoadDone ok; ERR, an exception, or no DONE within
-  `kv_load_timeout` -> a failed load, so the recompute/fail policy applies. Nothing here waits.
+  fetches its metadata on a reader thread (a zmq round trip). The connector's NIXL thread posts the
+  READs and checks their handles: DONE -> loaded; ERR, a refused post or no DONE within
+  `kv_load_timeout` -> a failed load, so the recompute/fail policy applies. `poll` only collects.
 - Producer: the reader's notification (NIXL delivers it once the READ has finished) is the
   acknowledgement that frees the held blocks; the lease covers readers that never come.
-Every NIXL call happens on the engine core's thread (poll/load_async/cancel), so the agent is never
-shared between threads; the reader threads only speak zmq.
+Every NIXL call after start-up is made on the one NIXL thread ("kv-nixl"), never on the engine
+core's: posting a READ costs ~10 us per descriptor that NIXL cannot merge (scattered blocks: tens of
+ms for one long prompt), and NIXL releases the GIL meanwhile, so the core's steps go on.
 
 Tensor parallelism: one rank on both sides (the pool must live in the core's process). A
 tensor-parallel producer is refused at start-up (config_builder) and at the handshake; TcpConnector
@@ -22,10 +23,13 @@ reads a TP=N producer into a TP=1 reader.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 
+from splitserve.kv_transfer.base import LoadDone
 from splitserve.kv_transfer.pool import KVLayout, KVPool
 from splitserve.kv_transfer.tcp import LoadError, TcpConnector, _enc
 
@@ -55,12 +59,17 @@ class NixlConnector(TcpConnector):
         self.transport = NixlKVTransport(f"{config.engine_id or 'splitserve'}-{uuid.uuid4().hex[:8]}", pool.caches)
         self._nixl_meta = self.transport.metadata()
         super().__init__(config, pool)
-        self._peers: dict[tuple, str] = {}             # key -> NIXL peer name
-        self._handshakes: list[tuple[tuple, object]] = []  # from reader threads: (key, header or LoadError)
-        self._waiting: dict[tuple, list[_Job]] = {}     # loads whose producer's metadata is on its way
-        self._xfers: dict[str, _Job] = {}               # READs in flight
-        self._zombies: list = []                         # handles of cancelled READs NIXL could not drop yet
         self._layer_block_bytes = self.transport.layout.block_bytes * self.transport.layout.num_layers
+        self._loaded: list[tuple[str, int, float]] = []  # from the NIXL thread: (request id, bytes, seconds)
+        self.handshakes = 0                              # metadata fetches (one per producer engine)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # core -> NIXL thread: ("load", job), ("cancel", id), ...
+        # The NIXL thread's own state (no other thread touches it):
+        self._peers: dict[tuple, str] = {}               # key -> NIXL peer name
+        self._waiting: dict[tuple, list[_Job]] = {}      # loads whose producer's metadata is on its way
+        self._xfers: dict[str, _Job] = {}                # READs in flight
+        self._zombies: list = []                         # handles of READs NIXL could not drop yet
+        self._nixl_thread = threading.Thread(target=self._run, name="kv-nixl", daemon=True)
+        self._nixl_thread.start()
 
     # -- producer ------------------------------------------------------------------------------
     def _answer(self, msg: dict) -> list:
@@ -99,17 +108,65 @@ class NixlConnector(TcpConnector):
                                              recoverable=False), now)
             return
         key = (str(host), int(port), params.get("remote_engine_id"))
-        job = _Job(request_id, key, str(rrid), remote[first_block:count], list(block_ids[first_block:count]), now)
-        if key in self._peers:
-            self._post(job)
-        elif key in self._waiting:
-            self._waiting[key].append(job)
-        else:
-            self._waiting[key] = [job]
-            self._readers.submit(self._fetch_meta, key)
+        self._cmds.put(("load", _Job(request_id, key, str(rrid), remote[first_block:count],
+                                     list(block_ids[first_block:count]), now)))
+
+    def cancel(self, request_id):
+        super().cancel(request_id)  # what the NIXL thread still reports for it is dropped by poll
+        self._cmds.put(("cancel", request_id))
+
+    # -- the NIXL thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # Short waits only while something is in flight (a READ: 0.2 ms, its completion is on
+            # the request's TTFT) or held (a reader's notification: 2 ms); otherwise sleep on the queue.
+            wait = 0.0002 if self._xfers or self._zombies else 0.002 if self._held else 0.05
+            try:
+                cmd = self._cmds.get(timeout=wait)
+                while True:
+                    self._do(cmd)
+                    cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                if self._xfers or self._zombies:
+                    self._check_transfers()
+                if self.config.is_producer and self._held:
+                    self._take_notifications()
+            except Exception:  # a NIXL surprise must not end the thread (loads then time out)
+                logger.exception("NIXL thread")
+        for job in self._xfers.values():
+            if job.handle is not None:
+                self._drop(job.handle)
+
+    def _do(self, cmd: tuple) -> None:
+        if cmd[0] == "load":
+            job = cmd[1]
+            if job.key in self._peers:
+                self._post(job)
+            elif job.key in self._waiting:
+                self._waiting[job.key].append(job)
+            else:
+                self._waiting[job.key] = [job]
+                self._readers.submit(self._fetch_meta, job.key)
+        elif cmd[0] == "peer":
+            _, key, header = cmd
+            error = self._add_peer(key, header)
+            for job in self._waiting.pop(key, []):
+                if error is None:
+                    self._post(job)
+                else:
+                    self._fail(job.request_id, error, job.start)
+        elif cmd[0] == "cancel":
+            rid = cmd[1]
+            job = self._xfers.pop(rid, None)
+            if job is not None and job.handle is not None and not self._drop(job.handle):
+                self._zombies.append(job.handle)
+            for jobs in self._waiting.values():
+                jobs[:] = [j for j in jobs if j.request_id != rid]
 
     def _fetch_meta(self, key: tuple) -> None:
-        """Reader thread: the producer's handshake answer (zmq only; NIXL stays on the core's thread)."""
+        """Reader thread: the producer's handshake answer (zmq only; NIXL calls stay on the NIXL thread)."""
         host, port, _ = key
         sock = self._socket(host, port)
         try:
@@ -130,8 +187,8 @@ class NixlConnector(TcpConnector):
             result = LoadError(f"KV handshake with {host}:{port} failed: {type(e).__name__}: {e}")
         finally:
             sock.close()
-        with self._lock:
-            self._handshakes.append((key, result))
+        self.handshakes += 1
+        self._cmds.put(("peer", key, result))
 
     def _add_peer(self, key: tuple, header) -> LoadError | None:
         if isinstance(header, LoadError):
@@ -179,17 +236,7 @@ class NixlConnector(TcpConnector):
         except Exception:
             return False
 
-    def cancel(self, request_id):
-        super().cancel(request_id)
-        job = self._xfers.pop(request_id, None)
-        if job is not None and job.handle is not None and not self._drop(job.handle):
-            self._zombies.append(job.handle)
-        for jobs in self._waiting.values():
-            jobs[:] = [j for j in jobs if j.request_id != request_id]
-
-    def _check_transfers(self) -> list:
-        from splitserve.kv_transfer.base import LoadDone
-        done = []
+    def _check_transfers(self) -> None:
         now = time.monotonic()
         for rid, job in list(self._xfers.items()):
             if job.handle is None:
@@ -205,14 +252,8 @@ class NixlConnector(TcpConnector):
             if job.handle is not None and not self._drop(job.handle):
                 self._zombies.append(job.handle)
             if state == "DONE":
-                load = self._loads.pop(rid, None)
-                if load is None:
-                    continue
-                _, first, num_tokens = load
-                self.stats.recv_bytes += len(job.local_blocks) * self._layer_block_bytes
-                self.stats.recv_tokens += num_tokens - first * self.layout.block_size
-                self.stats.observe_time(now - job.start)
-                done.append(LoadDone(rid, True, num_tokens=num_tokens))
+                with self._lock:
+                    self._loaded.append((rid, len(job.local_blocks) * self._layer_block_bytes, now - job.start))
                 continue
             where = f"{job.key[0]}:{job.key[1]}"
             if state == "PROC":
@@ -223,37 +264,31 @@ class NixlConnector(TcpConnector):
                     self._forget_peer(job.key)  # the next load handshakes again (a restarted producer)
             self._fail(rid, LoadError(why), job.start)
         self._zombies = [h for h in self._zombies if not self._drop(h)]
-        return done
 
-    # -- both ----------------------------------------------------------------------------------
+    # -- both (the core's thread) ----------------------------------------------------------------
     def poll(self):
         with self._lock:
-            handshakes, self._handshakes = self._handshakes, []
-        for key, header in handshakes:
-            error = self._add_peer(key, header)
-            for job in self._waiting.pop(key, []):
-                if error is None:
-                    self._post(job)
-                else:
-                    self._fail(job.request_id, error, job.start)
-        if self.config.is_producer:
-            self._take_notifications()
-        ok = self._check_transfers() if self._xfers or self._zombies else []
+            loaded, self._loaded = self._loaded, []
+        ok = []
+        for rid, nbytes, seconds in loaded:
+            load = self._loads.pop(rid, None)
+            if load is None:
+                continue  # aborted while it loaded
+            _, first, num_tokens = load
+            self.stats.recv_bytes += nbytes
+            self.stats.recv_tokens += num_tokens - first * self.layout.block_size
+            self.stats.observe_time(seconds)
+            ok.append(LoadDone(rid, True, num_tokens=num_tokens))
         done, released = super().poll()  # failures, acknowledgements, leases
         return ok + done, released
 
     @property
     def busy(self) -> bool:
-        if self._xfers or self._waiting or self._zombies:
-            return True
         with self._lock:
-            if self._handshakes:
+            if self._loaded:
                 return True
         return super().busy
 
     def shutdown(self):
-        super().shutdown()
-        for job in self._xfers.values():
-            if job.handle is not None:
-                self._drop(job.handle)
-        self._xfers.clear()
+        super().shutdown()  # stops the serving thread and, through the same event, the NIXL thread
+        self._nixl_thread.join(timeout=5)
