@@ -123,11 +123,19 @@ class NixlConnector(TcpConnector):
             wait = 0.0002 if self._xfers or self._zombies else 0.002 if self._held else 0.05
             try:
                 cmd = self._cmds.get(timeout=wait)
-                while True:
-                    self._do(cmd)
-                    cmd = self._cmds.get_nowait()
             except queue.Empty:
-                pass
+                cmd = None
+            while cmd is not None:
+                try:
+                    self._do(cmd)
+                except Exception as e:  # never a silent hang: the load fails
+                    logger.exception("NIXL thread: %s", cmd[0])
+                    if cmd[0] == "load":
+                        self._fail(cmd[1].request_id, LoadError(f"KV load could not start: {e}"), cmd[1].start)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
             try:
                 if self._xfers or self._zombies:
                     self._check_transfers()
@@ -168,8 +176,9 @@ class NixlConnector(TcpConnector):
     def _fetch_meta(self, key: tuple) -> None:
         """Reader thread: the producer's handshake answer (zmq only; NIXL calls stay on the NIXL thread)."""
         host, port, _ = key
-        sock = self._socket(host, port)
+        sock = None
         try:
+            sock = self._socket(host, port)
             header = self._ask(sock, {"op": "meta"}, "the handshake", host, port)[0]
             remote = KVLayout(**header["layout"])
             why = self.layout.mismatch(remote)
@@ -186,7 +195,8 @@ class NixlConnector(TcpConnector):
         except Exception as e:  # a broken answer: a failed load, not a dead thread
             result = LoadError(f"KV handshake with {host}:{port} failed: {type(e).__name__}: {e}")
         finally:
-            sock.close()
+            if sock is not None:
+                sock.close()
         self.handshakes += 1
         self._cmds.put(("peer", key, result))
 
