@@ -71,6 +71,10 @@ def onnx_config(args, source, device: str):
 def kv_transfer_config(args, world_size: int):
     """The KV-transfer section (None without a connector), checked against what runs it."""
     kv = parse_kv_transfer_config(args.kv_transfer_config, args.kv_offload_gb)
+    if kv is not None and world_size > 1 and kv.kv_connector == "NixlConnector":
+        raise ValueError(f"NixlConnector runs one rank per engine (-tp 1 for prefill and decode; this engine has "
+                         f"{world_size}); a tensor-parallel prefill engine to a one-rank decode engine works "
+                         f"with TcpConnector")
     if kv is not None and world_size > 1 and not (
             kv.kv_connector == "TcpConnector" and kv.kv_role == "kv_producer" and args.pipeline_parallel_size == 1
             and args.nnodes == 1 and kv.kv_port):

@@ -13,6 +13,7 @@ layer count): `add_peer` refuses a mismatch with the difference named, at the ha
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -69,6 +70,13 @@ def _descriptors(addrs: list[int], layout: PoolLayout, device_id: int) -> np.nda
 
 class NixlKVTransport:
     def __init__(self, name: str, kv_caches: list[torch.Tensor], backends: tuple[str, ...] = ("UCX",)):
+        # UCX reads through CUDA IPC only where it sees NVLink, unless told otherwise: on one GPU (or
+        # PCIe-only GPUs) it would fall back to TCP over loopback, ~3,000x slower (BENCHMARKS.md,
+        # "KV transfer over NIXL"). UCX reads its environment when the agent creates its context, so
+        # this must come first. (Its CUDA transports also need the CUDA runtime on LD_LIBRARY_PATH,
+        # which only the launching shell can set: README, "Prefill/decode disaggregation".)
+        if kv_caches[0].is_cuda:  # (on host pools UCX would warn about an unused variable)
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         agent_cls, config_cls = import_nixl()
         self.name = name
         self.layout = pool_layout(kv_caches)

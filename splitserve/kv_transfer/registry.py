@@ -14,11 +14,9 @@ _CONNECTORS = {
 def check_available(name: str) -> None:
     """Raises ValueError at start-up when the connector's own dependency is missing."""
     if name == "NixlConnector":
-        if importlib.util.find_spec("nixl") is None:
-            raise ValueError("NixlConnector needs the nixl package (pip install nixl; UCX underneath); "
-                             "on CPU-only machines use TcpConnector")
-        from splitserve.kv_transfer.nixl import NOT_READY
-        raise ValueError(NOT_READY)
+        if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")):
+            raise ValueError("NixlConnector needs the nixl package (pip install 'splitserve[nixl]', or nixl-cu13 / "
+                             "nixl-cu12; UCX underneath); on machines without it use TcpConnector")
 
 
 def build_connector(config, pool):

@@ -167,9 +167,9 @@ def test_start_up_refuses_what_cannot_run():
     tcp = '{"kv_connector": "TcpConnector", "kv_role": "kv_both"}'
     with pytest.raises(ValueError, match="work only for a TcpConnector kv_producer"):
         kv_transfer_config(SimpleNamespace(kv_transfer_config=tcp, kv_offload_gb=None), world_size=2)
-    with pytest.raises(ValueError, match="NixlConnector"):
-        kv_transfer_config(SimpleNamespace(kv_transfer_config='{"kv_connector": "NixlConnector", '
-                                                              '"kv_role": "kv_consumer"}', kv_offload_gb=None), 1)
+    nixl = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_port": 14579}'
+    with pytest.raises(ValueError, match="NixlConnector runs one rank per engine"):
+        kv_transfer_config(SimpleNamespace(kv_transfer_config=nixl, kv_offload_gb=None), world_size=2)
     assert kv_transfer_config(SimpleNamespace(kv_transfer_config=None, kv_offload_gb=None), 1) is None
 
 
