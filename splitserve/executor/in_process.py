@@ -37,6 +37,7 @@ class InProcessExecutor:
         try:
             t0 = time.perf_counter()
             self.lora, lora_worker = None, None  # LoRAManager (the core's) / LoRAWorker with --enable-lora
+            draft = None  # speculative decoding's draft model (draft_model method)
             if config.onnx is not None:  # an exported directory in ONNX Runtime (worker/onnx_runner.py)
                 from splitserve.worker.onnx_runner import OnnxModelRunner
                 self.runner = OnnxModelRunner(config)
@@ -51,7 +52,6 @@ class InProcessExecutor:
                 self.lora = build_manager(config, pin_memory=next(model.parameters()).is_cuda)
                 lora_worker = build_worker(config, model)
             if config.onnx is None:
-                draft = None
                 spec = config.speculative
                 if spec is not None and spec.method == "draft_model":  # a second model in this worker
                     _, draft = load_model(spec.draft_source, spec.draft_hf_config, m.dtype, device,
