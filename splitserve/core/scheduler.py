@@ -141,10 +141,13 @@ class Scheduler:
                 # Nothing to compute, or its last token is still in flight and ends it: skip.
                 i += 1
                 continue
-            drafts = self._drafts(request, n, budget) if speculating else []
-            request.spec_token_ids = []  # used now or never: the next step's come with this one's results
-            n += len(drafts)
-            while not self.kv.allocate_slots(request, n + self._lookahead(request, n, lookahead)):
+            drafts = []
+            if spec is not None:
+                if speculating:
+                    drafts = self._drafts(request, n, budget)
+                    n += len(drafts)
+                request.spec_token_ids = []  # used now or never: the next step's come with this one's results
+            while not self.kv.allocate_slots(request, n + self._lookahead(request, n, lookahead) if lookahead else n):
                 victim, j = self._victim()
                 del self.running[j]
                 if j < i:  # priority policy: a request scheduled earlier in this step gives way
@@ -394,7 +397,8 @@ class Scheduler:
                 self.num_prompt_tokens_computed += min(n, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += n
             # (its drafts are computed too, but only verified tokens become its own)
-            if request.num_computed_tokens - len(spec.get(request.request_id, ())) == request.num_tokens:
+            verifying = len(spec[request.request_id]) if spec and request.request_id in spec else 0
+            if request.num_computed_tokens - verifying == request.num_tokens:
                 request.num_pending += 1
                 num_samples += 1
         return num_samples

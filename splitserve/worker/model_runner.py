@@ -28,7 +28,8 @@ from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs,
                                                prompt_logprobs_by_request)
 from splitserve.worker.sampling_metadata import build_sampling_metadata
-from splitserve.worker.spec_decode import NgramProposer, expand_metadata, verified_logprobs, write_drafts
+from splitserve.worker.spec_decode import (NgramProposer, collect_verified, expand_metadata, propose_drafts,
+                                          write_drafts)
 
 logger = logging.getLogger(__name__)
 
@@ -607,34 +608,11 @@ class ModelRunner:
         return result
 
     def _collect_verified(self, step: InFlightStep, prompt: dict) -> StepResult:
-        """A verify step's results: each row's accepted drafts and the token after them recorded in
-        the persistent batch (its computed count back by the rejected drafts), with their logprobs."""
-        _, logprob_vals, logprob_ids, logprob_ranks, num_accepted, next_token = step.host
-        states, drafts = step.sample_requests, step.drafts
-        accepted, nexts = num_accepted.tolist(), next_token.tolist()
-        new_tokens = [d[:m] + [t] for d, m, t in zip(drafts, accepted, nexts)]
-        self.input_batch.record_verified(states, new_tokens, [len(d) - m for d, m in zip(drafts, accepted)])
-        result = StepResult({s.req_id: t[0] for s, t in zip(states, new_tokens)}, {}, prompt_logprobs=prompt)
-        for state, tokens in zip(states, new_tokens):
-            if len(tokens) > 1:
-                result.more_tokens[state.req_id] = tokens[1:]
-        if logprob_vals is not None:
-            verified_logprobs(result, states, new_tokens, step.verify.row_start.tolist(),
-                              logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist())
+        result = StepResult({}, {}, prompt_logprobs=prompt)
+        collect_verified(result, self.input_batch, step)
         if step.propose:
-            result.draft_token_ids = self._propose(states)
+            result.draft_token_ids = self._propose(step.sample_requests)
         return result
 
     def _propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
-        """Drafts for each sampling request still in the batch that may speculate."""
-        ib, out = self.input_batch, {}
-        if self.drafter is not None:
-            return self.drafter.propose(ib, states)
-        if self.proposer is None:
-            return out
-        states = [s for s in states if s.row >= 0 and s.sampling_params.allows_speculation]
-        rows = np.array([s.row for s in states], dtype=np.int64)
-        for state, drafts in zip(states, self.proposer.propose_many(ib.token_ids, rows, ib.num_known[rows])):
-            if drafts:
-                out[state.req_id] = drafts
-        return out
+        return propose_drafts(self.input_batch, states, self.drafter, self.proposer)

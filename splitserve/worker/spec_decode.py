@@ -149,3 +149,37 @@ def verified_logprobs(result, states, new_tokens: list[list[int]], row_start: li
         result.logprobs[rid], result.logprob_ranks[rid] = entries[0], row_ranks[0]
         if len(tokens) > 1:
             result.more_logprobs[rid], result.more_logprob_ranks[rid] = entries[1:], row_ranks[1:]
+
+
+def collect_verified(result, ib, step) -> None:
+    """A verify step's results into `result` (a StepResult): each row's accepted drafts and the token
+    after them recorded in the persistent batch `ib` (its computed count back by the rejected
+    drafts), with their logprobs."""
+    _, logprob_vals, logprob_ids, logprob_ranks, num_accepted, next_token = step.host
+    states, drafts = step.sample_requests, step.drafts
+    accepted, nexts = num_accepted.tolist(), next_token.tolist()
+    new_tokens = [d[:m] + [t] for d, m, t in zip(drafts, accepted, nexts)]
+    ib.record_verified(states, new_tokens, [len(d) - m for d, m in zip(drafts, accepted)])
+    result.tokens.update({s.req_id: t[0] for s, t in zip(states, new_tokens)})
+    for state, tokens in zip(states, new_tokens):
+        if len(tokens) > 1:
+            result.more_tokens[state.req_id] = tokens[1:]
+    if logprob_vals is not None:
+        verified_logprobs(result, states, new_tokens, step.verify.row_start.tolist(),
+                          logprob_vals.tolist(), logprob_ids.tolist(), logprob_ranks.tolist())
+
+
+def propose_drafts(ib, states, drafter, proposer) -> dict[str, list[int]]:
+    """Drafts for each sampling request still in the batch that may speculate: the draft model's
+    (`drafter`), else the n-gram `proposer`'s over the batch's known tokens."""
+    if drafter is not None:
+        return drafter.propose(ib, states)
+    out: dict[str, list[int]] = {}
+    if proposer is None:
+        return out
+    states = [s for s in states if s.row >= 0 and s.sampling_params.allows_speculation]
+    rows = np.array([s.row for s in states], dtype=np.int64)
+    for state, drafts in zip(states, proposer.propose_many(ib.token_ids, rows, ib.num_known[rows])):
+        if drafts:
+            out[state.req_id] = drafts
+    return out
