@@ -245,3 +245,51 @@ class EngineFront:
             raise ValueError(f"request needs {need} tokens of KV cache (encoder and decoder), but the cache holds "
                              f"only {self.kv_capacity_tokens} tokens")
         return n
+
+
+class FrontView:
+    """What the front knows, read through an engine object that holds one (`self.front`): the
+    offline engine (llm_engine.py) and the data-parallel one (replicated_llm_engine.py)."""
+    front: "EngineFront"
+
+    @property
+    def tokenizer(self):
+        return self.front.tokenizer
+
+    @property
+    def config(self):
+        return self.front.config
+
+    @property
+    def model_name(self) -> str:
+        return self.front.model_name
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.front.served_model_names
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.front.sampling_defaults
+
+    @property
+    def source(self):
+        return self.front.source
+
+    @property
+    def mm_processor(self):
+        return self.front.mm_processor
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.front.kv_capacity_tokens
+
+    @property
+    def states(self):
+        return self.front.states
+
+    def tokenize_prompt(self, prompt, params=None):
+        return self.front.tokenize_prompt(prompt, params)
+
+    def validate(self, prompt_ids: list[int], params) -> int:
+        return self.front.validate(prompt_ids, params)

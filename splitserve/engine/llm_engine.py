@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 from splitserve.core.engine_core import MAX_FAILED_STEPS_IN_A_ROW, EngineDeadError
-from splitserve.engine.front import EngineFront, build_front_mm_processor, load_front_tokenizer
+from splitserve.engine.front import EngineFront, FrontView, build_front_mm_processor, load_front_tokenizer
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine.args import EngineArgs
 from splitserve.executor import build_engine_core
@@ -21,7 +21,7 @@ __all__ = ["EngineArgs", "EngineDeadError", "LLMEngine", "MAX_FAILED_STEPS_IN_A_
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(FrontView):
     def __init__(self, args: EngineArgs | None = None, stream_interval: int = 1, **kwargs):
         args = args or EngineArgs.from_kwargs("LLMEngine()", **kwargs)
         self.args = args
@@ -53,43 +53,6 @@ class LLMEngine:
                                  stream_interval)
         logger.info("engine ready: %s", self.model_name)
 
-    # -- what the front knows --------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.front.tokenizer
-
-    @property
-    def config(self):
-        return self.front.config
-
-    @property
-    def model_name(self) -> str:
-        return self.front.model_name
-
-    @property
-    def served_model_names(self) -> tuple[str, ...]:
-        return self.front.served_model_names
-
-    @property
-    def sampling_defaults(self) -> dict:
-        return self.front.sampling_defaults
-
-    @property
-    def source(self):
-        return self.front.source
-
-    @property
-    def mm_processor(self):
-        return self.front.mm_processor
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.front.kv_capacity_tokens
-
-    @property
-    def states(self):
-        return self.front.states
-
     # -- the core in this process (tests look inside) --------------------------------------------
     @property
     def scheduler(self):
@@ -105,12 +68,6 @@ class LLMEngine:
         return self.core.executor.runner
 
     # -- requests --------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt, params: SamplingParams | None = None):
-        return self.front.tokenize_prompt(prompt, params)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        return self.front.validate(prompt_ids, params)
-
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True, lora_request=None,
                     priority: int = 0) -> str:

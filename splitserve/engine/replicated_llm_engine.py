@@ -13,11 +13,12 @@ import queue
 import threading
 
 from splitserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
+from splitserve.engine.front import FrontView
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.sampling_params import SamplingParams
 
 
-class ReplicatedLLMEngine:
+class ReplicatedLLMEngine(FrontView):
     def __init__(self, args):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="splitserve-dp-loop", daemon=True)
@@ -38,29 +39,6 @@ class ReplicatedLLMEngine:
         async def run():
             return fn()
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
-
-    # -- what the front knows --------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.front.tokenizer
-
-    @property
-    def config(self):
-        return self.front.config
-
-    @property
-    def sampling_defaults(self) -> dict:
-        return self.front.sampling_defaults
-
-    @property
-    def mm_processor(self):
-        return self.front.mm_processor
-
-    def tokenize_prompt(self, prompt, params: SamplingParams | None = None):
-        return self.front.tokenize_prompt(prompt, params)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        return self.front.validate(prompt_ids, params)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
