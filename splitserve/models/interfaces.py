@@ -100,6 +100,7 @@ class ModelCapabilities:
     # (directory, lazy) -> (name, tensor) pairs, for a family whose checkpoint is not one safetensors
     # folder (VILA's part folders, NeVA's .nemo); None: loading/safetensors_io.iter_safetensors
     weight_reader: Callable[..., Iterator[tuple[str, torch.Tensor]]] | None = None
+    image_steps_eager: bool = False  # its steps with image tokens never replay piecewise graphs (CogVLM)
 
 
 def _flag(model, name: str) -> bool:
@@ -149,6 +150,7 @@ def _compute(model) -> ModelCapabilities:
     return ModelCapabilities(multimodal=multimodal, encoder_decoder=encoder_decoder,
                              decoder_images=multimodal and not encoder_decoder, own_processor=own_processor,
                              piecewise=piecewise, lora=bool(layers), pipeline_stages=stages,
+                             image_steps_eager=_flag(model, "image_steps_eager"),
                              weight_reader=reader.__func__ if isinstance(reader, staticmethod) else reader)
 
 

@@ -48,8 +48,12 @@ class ImagePromptHooks:
     image_run_ids: Callable[[Any, int], list[int]] | None = None
     # MultiModalPrompt -> None or raises: a model's own layout rules (CogVLM)
     check_mm_prompt: Callable[[Any], None] | None = None
-    # (spans, total tokens) -> None: per-token data of the step written into the model's buffers (CogVLM)
-    prepare_step_tokens: Callable[[Any, int], None] | None = None
+    # (spans, total tokens) -> whether the step is routed: per-token data of the step set on the model
+    # (CogVLM's visual-expert rows and RoPE shifts); a routed step runs the model's image path
+    prepare_step_tokens: Callable[[Any, int], bool] | None = None
+    # Steps with image tokens run eagerly, off the piecewise CUDA graphs (CogVLM: its routed layers
+    # change shapes with each step's image rows); steps without them still replay graphs.
+    image_steps_eager: ClassVar[bool] = False
     # generated text -> extra output fields (Kosmos-2's grounding) / Markdown post-processing (Nougat)
     postprocess_text: Callable[[str], dict] | None = None
     postprocess_markdown: Callable[[str], str | None] | None = None

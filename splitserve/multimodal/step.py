@@ -45,17 +45,17 @@ class MultiModalStepEncoder:
     def step_embeddings(self, spans, input_ids: torch.Tensor) -> torch.Tensor | None:
         """spans: (request state, start, n, first row in the flat batch) of the step's requests that
         compute tokens before the end of their last image run; the runner picks them vectorized."""
-        # A model with per-token data of its own (CogVLM's expert mask and RoPE shift) writes it
-        # into its static buffers for the step's tokens.
+        # A model with per-token routing of its own (CogVLM's visual expert and RoPE shift) sets it
+        # for the step's tokens; a step it routes runs the model's image path even where no image
+        # feature lands in it (a chunk holding only the tokens before an image).
         prepare = self.model.prepare_step_tokens  # None where the model has none (ImagePromptHooks)
-        if prepare is not None:
-            prepare(spans, input_ids.shape[0])
+        routed = prepare is not None and prepare(spans, input_ids.shape[0])
         # (row in the flat batch, item, first feature, last feature + 1)
         slices = []
         for state, start, n, row in spans:
             self._collect(state, start, n, row, slices)
         if not slices:
-            return None
+            return self.model.embed(input_ids) if routed else None
         features = self._features([item for _, item, _, _ in slices])
         embeds = self.model.embed(input_ids)
         for dst, item, lo, hi in slices:

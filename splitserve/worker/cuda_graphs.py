@@ -152,7 +152,8 @@ class PiecewiseGraphs:
         self.layers = list(model.layers)
         self.sizes = sorted(sizes)
         self.use_graphs = use_graphs
-        self.accepts_embeds = capabilities_of(model).multimodal
+        caps = capabilities_of(model)
+        self.accepts_embeds = caps.multimodal and not caps.image_steps_eager
         n, dev = self.sizes[-1], device
         attn = self.layers[0].self_attn
         dtype = attn.o_proj.params_dtype  # the activations' dtype (a quantized weight's is not)

@@ -237,3 +237,35 @@ def test_tiny_overrides_build_a_small_model_with_the_real_geometry(tmp_path, nam
     assert feats.shape == (n, cfg["hidden_size"])
     # Phi-3-vision with num_crops 16 scales a square 336 px image up to 4 x 4 crops: 2509 tokens
     assert n == {"cogvlm-17b": 35 * 35 + 2, "phi-3-vision": 4 * 12 * (4 * 12 + 1) + 1 + 12 * 13}[name]
+
+
+def test_visual_expert_runs_only_on_image_rows(setup):
+    """The visual expert as a two-expert MoE routed by token type: a text-only request never runs
+    its weights (every step a plain Llama step, no route), and a request with an image runs them on
+    its image rows alone (boi + patches; eoi and the text take the language weights)."""
+    llm, ref, tok, _ = setup
+    layer = llm.engine.runner.model.language_model.layers[0]
+    rows = {"vision": 0, "language": 0}
+
+    def counter(key):
+        def hook(module, args, out):
+            rows[key] += args[0].shape[0]
+        return hook
+
+    handles = [layer.vision_qkv.register_forward_hook(counter("vision")),
+               layer.self_attn.qkv_proj.register_forward_hook(counter("language"))]
+    try:
+        text = "Question: a question without any picture? Answer:"
+        out = llm.generate(prompt(tok, text, None), PARAMS, use_tqdm=False)[0]
+        check(out, ref, tok, text, None)
+        assert rows == {"vision": 0, "language": len(out.prompt_token_ids) + NEW_TOKENS - 1}
+        assert llm.engine.runner.model.expert_tokens.route is None
+        rows.update(vision=0, language=0)
+        img = random_image(11, (66, 77))
+        out = llm.generate(prompt(tok, "What is it?", img), PARAMS, use_tqdm=False)[0]
+        check(out, ref, tok, "What is it?", img)
+        assert rows == {"vision": IMAGE_TOKENS - 1,
+                        "language": len(out.prompt_token_ids) - (IMAGE_TOKENS - 1) + NEW_TOKENS - 1}
+    finally:
+        for h in handles:
+            h.remove()

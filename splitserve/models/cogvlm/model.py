@@ -7,10 +7,12 @@ outputs are LayerNorm-ed before the residual add), the class token dropped, a GL
 vectors around the patches: (S/p)^2 + 2 tokens per image.
 
 Language: Llama whose every layer has a *visual expert*: its own QKV (with bias), output dense and
-MLP weights for image tokens. The choice is data, never a loop over requests: before a step with
-image tokens the multimodal step encoder calls `prepare_step_tokens`, which writes a per-token
-expert mask and a RoPE shift into static buffers; each layer computes both weight sets and selects
-by the mask (steps without image tokens see zeros: the last layer clears what it used).
+MLP weights for image tokens, routed as a mixture of two experts by token type. Before a step with
+image tokens the multimodal step encoder calls `prepare_step_tokens`, which sets the step's route
+(image rows, text rows, RoPE shifts; data, never a loop over requests); each layer gathers the image
+rows through the visual expert and the rest through the language weights and scatters them back. A
+step without a route (every decode step, text-only prompts) runs plain Llama layers: the visual
+expert costs it nothing, and its compiled halves and CUDA graphs are Llama's.
 
 Positions: the published model gives the whole image 3 positions (boi p, every patch p + 1, eoi
 p + 2), and text after it continues from there. The engine's positions are token indices (they also
@@ -23,7 +25,7 @@ prompt puts the one image right after BOS (`build_conversation_input_ids`), and 
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -38,8 +40,6 @@ from splitserve.models.decoder import DecoderLayer
 from splitserve.models.cogvlm.processor import CogVLMProcessing
 from splitserve.models.vlm_base import VisionLanguageModel, build_language_model
 from splitserve.multimodal.processor import to_device_pixels
-
-MAX_STEP_TOKENS = 65536  # the expert buffers' size: the most tokens one step may hold
 
 
 # -- EVA2-CLIP --------------------------------------------------------------------------------------
@@ -106,55 +106,78 @@ class EvaVision(nn.Module):
 
 
 # -- the language side --------------------------------------------------------------------------------
-class ExpertTokens(nn.Module):
-    """The per-token data of a step: `vision` (the token takes the visual expert) and `shift` (its
-    RoPE pre-rotation), static buffers the step encoder writes before a step with image tokens."""
+class StepRoute(NamedTuple):
+    """A step with image-expert work, as device index tensors: the flat rows that take the visual
+    expert, the rows that take the language weights, and every row's RoPE pre-rotation."""
+    vision_rows: torch.Tensor
+    text_rows: torch.Tensor
+    shift: torch.Tensor
 
-    def __init__(self, capacity: int = MAX_STEP_TOKENS):
-        super().__init__()
-        self.register_buffer("vision", torch.zeros(capacity, dtype=torch.bool), persistent=False)
-        self.register_buffer("shift", torch.zeros(capacity, dtype=torch.long), persistent=False)
+
+class ExpertTokens:
+    """The step's route, shared by every layer: None for a step without image-expert work (decode
+    steps, text-only prompts), which then runs plain Llama layers. The step encoder sets it before a
+    step with image tokens (`prepare_step_tokens`) and the model's forward clears it after."""
+
+    def __init__(self):
+        self.route: StepRoute | None = None
 
 
 class VisionExpertLayer(DecoderLayer):
-    """A Llama layer plus the visual expert's weights; both run, the mask picks per token."""
+    """A Llama layer plus the visual expert's weights, as a mixture of two experts routed by token
+    type. `attn_inputs` / `attn_outputs` are the inherited Llama halves (compiled, and captured in
+    CUDA graphs): a step without image rows runs only them, at plain Llama's shapes and cost. A step
+    with a route gathers the image rows through the visual expert and the other rows through the
+    language weights, scattering both back (eager: its row counts change every step, so it never
+    replays a graph; the runner keeps such steps off the piecewise path, `image_steps_eager`)."""
 
-    def __init__(self, spec, layer_idx: int, rotary, prefix: str, tokens: ExpertTokens, clears: bool):
+    def __init__(self, spec, layer_idx: int, rotary, prefix: str, tokens: ExpertTokens):
         super().__init__(spec, layer_idx, rotary, None, prefix, layer_idx)
         H, I = spec.hidden_size, spec.intermediate_size
         self.vision_qkv = Linear(H, 3 * H, bias=True)
         self.vision_dense = Linear(H, H, bias=False)
         self.vision_mlp = nn.ModuleDict({"gate_proj": Linear(H, I), "up_proj": Linear(H, I), "down_proj": Linear(I, H)})
         object.__setattr__(self, "_tokens", tokens)  # shared by every layer, owned by the model
-        self.clears = clears
         self.rotary = rotary
         self.heads, self.head_dim = spec.num_heads, spec.head_dim
 
-    def attn_inputs(self, x, residual):
+    def forward(self, positions, x, residual):
+        route = self._tokens.route
+        if route is None:
+            return super().forward(positions, x, residual)
+        q, k, v, residual = self.routed_inputs(x, residual, route)
+        return self.routed_outputs(self.self_attn.attn(q, k, v, positions), residual, route)
+
+    @staticmethod
+    def _two_experts(x, route: StepRoute, text_fn, vision_fn, width: int) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], width)
+        out.index_copy_(0, route.text_rows, text_fn(x.index_select(0, route.text_rows)))
+        out.index_copy_(0, route.vision_rows, vision_fn(x.index_select(0, route.vision_rows)))
+        return out
+
+    def routed_inputs(self, x, residual, route: StepRoute):
         x, residual = self.input_layernorm(x, residual)
         T = x.shape[0]
-        vision = self._tokens.vision[:T, None]
-        qkv = torch.where(vision, self.vision_qkv(x), self.self_attn.qkv_proj(x))
+        qkv = self._two_experts(x, route, self.self_attn.qkv_proj, self.vision_qkv, self.vision_qkv.weight.shape[0])
         q, k, v = self.self_attn.qkv_proj.split(qkv)
         q, k = apply_rotary_qk(q.view(T, self.heads, self.head_dim), k.view(T, self.heads, self.head_dim),
-                               self._tokens.shift[:T], self.rotary.cos_sin)
+                               route.shift, self.rotary.cos_sin)
         return q.reshape(T, -1), k.reshape(T, -1), v, residual
 
-    def attn_outputs(self, attn_out, residual):
-        T = attn_out.shape[0]
-        vision = self._tokens.vision[:T, None]
-        x = torch.where(vision, self.vision_dense(attn_out), self.self_attn.o_proj(attn_out))
-        x, residual = self.post_attention_layernorm(x, residual)
+    def _vision_mlp(self, x):
         m = self.vision_mlp
-        expert = m["down_proj"](F.silu(m["gate_proj"](x)) * m["up_proj"](x))
-        x = torch.where(vision, expert, self.mlp(x))
-        if self.clears:  # the step's data is used up: the next step without image tokens sees zeros
-            self._tokens.vision[:T].zero_()
-            self._tokens.shift[:T].zero_()
-        return x, residual
+        return m["down_proj"](F.silu(m["gate_proj"](x)) * m["up_proj"](x))
+
+    def routed_outputs(self, attn_out, residual, route: StepRoute):
+        H = residual.shape[1]
+        x = self._two_experts(attn_out, route, self.self_attn.o_proj, self.vision_dense, H)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self._two_experts(x, route, self.mlp, self._vision_mlp, H), residual
 
 
 class CogVLMForCausalLM(CogVLMProcessing, VisionLanguageModel):
+    image_steps_eager = True  # routed steps change shapes with their image rows (VisionExpertLayer)
+
     def __init__(self, config, quant_config=None):
         super().__init__()
         if quant_config is not None:
@@ -166,8 +189,8 @@ class CogVLMForCausalLM(CogVLMProcessing, VisionLanguageModel):
         self.expert_tokens = ExpertTokens()
         rotary = lm.layers[0].self_attn.attn.rotary
         n = len(lm.layers)
-        lm.layers = nn.ModuleList(VisionExpertLayer(lm.spec, i, rotary, f"model.layers.{i}.", self.expert_tokens,
-                                                    clears=i == n - 1) for i in range(n))
+        lm.layers = nn.ModuleList(VisionExpertLayer(lm.spec, i, rotary, f"model.layers.{i}.", self.expert_tokens)
+                                  for i in range(n))
         vc = config.vision_config
         self.vision = EvaVision(vc, config.hidden_size, config.intermediate_size)
         self.init_processing(config)  # side, tokens_per_image, image token (processor.py)
@@ -177,11 +200,18 @@ class CogVLMForCausalLM(CogVLMProcessing, VisionLanguageModel):
         feats = self.vision(to_device_pixels(items, self._param.device, self._param.dtype))
         return list(feats.unbind(0))
 
-    def prepare_step_tokens(self, spans, total: int) -> None:
-        """Writes the expert mask and RoPE shift of a step's tokens (spans: (request state, first
-        token, count, first flat row) of the requests computing tokens up to their image's end)."""
-        if total > MAX_STEP_TOKENS:
-            raise ValueError(f"CogVLM: a step of {total} tokens exceeds {MAX_STEP_TOKENS}")
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+                intermediate=None):
+        try:
+            return self.language_model(input_ids, positions, inputs_embeds, intermediate)
+        finally:  # the route belongs to this step alone
+            self.expert_tokens.route = None
+
+    def prepare_step_tokens(self, spans, total: int) -> bool:
+        """Routes a step's tokens (spans: (request state, first token, count, first flat row) of the
+        requests computing tokens up to their image's end): which rows take the visual expert, and
+        every row's RoPE shift. False (and no route) when no row needs either: the step is a plain
+        Llama step."""
         vision = np.zeros(total, dtype=bool)
         shift = np.zeros(total, dtype=np.int64)
         for state, start, n, row in spans:
@@ -194,9 +224,16 @@ class CogVLMForCausalLM(CogVLMProcessing, VisionLanguageModel):
             vision[row:row + n] = (i >= o) & (i < o + N - 1)  # the eoi token takes the language weights
             # published positions + D: up to the first patch i + D, patches o + 1 + D, from eoi on i
             shift[row:row + n] = np.where(i <= o + 1, d, np.where(i < o + N - 1, o + 1 + d - i, 0))
-        dev = self.expert_tokens.vision.device
-        self.expert_tokens.vision[:total].copy_(torch.from_numpy(vision).to(dev, non_blocking=True))
-        self.expert_tokens.shift[:total].copy_(torch.from_numpy(shift).to(dev, non_blocking=True))
+        if not vision.any() and not shift.any():
+            self.expert_tokens.route = None
+            return False
+        dev = self._param.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+        self.expert_tokens.route = StepRoute(to_dev(np.flatnonzero(vision)), to_dev(np.flatnonzero(~vision)),
+                                             to_dev(shift))
+        return True
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
