@@ -87,8 +87,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # per-step token budget; prompts longer than it are chunked
     # fcfs: arrival order; priority: by each request's priority (lower first), then arrival.
     policy: str = "fcfs"
+    # Image tokens whose towers may run ahead of their requests' admission per step, beside the step
+    # (core/scheduler.py's encoder budget); 0: every image is encoded in the step that admits it.
+    mm_encoder_budget: int = 8192
 
     def __post_init__(self) -> None:
+        _require(self.mm_encoder_budget >= 0, f"mm_encoder_budget must be >= 0, got {self.mm_encoder_budget}")
         _require(self.policy in SCHEDULING_POLICIES,
                  f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -174,6 +174,9 @@ class Scheduler:
         # New work only when nothing had to give way this step.
         now = None
         compiling: list[Request] = []  # passed over: their grammar is not compiled yet
+        # While requests decode, a new request's images are announced first and it is admitted a
+        # step later: its tower runs beside this step instead of inside the next one (_announce_images).
+        encode_ahead = self._has_image_requests and self.config.mm_encoder_budget > 0 and bool(scheduled)
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
@@ -182,6 +185,10 @@ class Scheduler:
                 continue
             if request.lora_request is not None and not self.lora.can_admit(request.lora_request):
                 compiling.append(self.waiting.popleft())  # adapter loading, or every slot held
+                continue
+            if encode_ahead and request.mm_items and not request.mm_announced and not request.in_worker \
+                    and not request.num_encoder_tokens:
+                compiling.append(self.waiting.popleft())
                 continue
             enc = request.num_encoder_tokens
             if enc and enc >= budget:
@@ -306,16 +313,20 @@ class Scheduler:
 
     def _announce_images(self, out: SchedulerOutput) -> None:
         """Announces the images of the next waiting requests (as far ahead as one batch of running
-        requests) to the worker once, so that it can encode them before their admission."""
-        if not self._has_image_requests:
+        requests) to the worker once, so that it can encode them before their admission, beside this
+        step. The encoder budget (image tokens per step; at least one request's) chunks a burst of
+        images across steps, so no step's tower work stalls the decodes."""
+        left = self.config.mm_encoder_budget
+        if not self._has_image_requests or left <= 0:
             return
         for k, request in enumerate(self.waiting):
-            if k >= self.config.max_num_seqs:
+            if k >= self.config.max_num_seqs or left <= 0:
                 break
             if request.mm_items and not request.mm_announced and not request.in_worker \
                     and not request.num_encoder_tokens:
                 request.mm_announced = True
                 out.mm_prefetch[request.request_id] = request.mm_items
+                left -= sum(item.num_tokens for item in request.mm_items)
 
     def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
         """The drafts a running request verifies this step: only while decoding (one token to

@@ -53,6 +53,10 @@ class EngineArgs(CliOptions):
         help="fcfs: requests run in arrival order; priority: by each request's `priority` (lower first, "
              "then arrival), and when KV blocks run out the lowest-priority running request is preempted "
              "first")
+    mm_encoder_budget: int = option(
+        8192, help="vision-language models: image tokens per step whose towers run ahead of their requests' "
+                   "admission, beside the step (a request with images that arrives while others decode waits one "
+                   "step for its tower); 0: every image is encoded in the step that admits it")
     block_size: int = option(16, help="tokens per KV-cache block (8, 16, 32, 64 or 128)")
     num_blocks: int | None = option(
         None, default_text="sized from free GPU memory, or --cpu-kv-cache-gib on CPU",

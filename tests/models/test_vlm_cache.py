@@ -193,3 +193,40 @@ def test_placeholder_id_without_an_image_and_a_video_are_refused(setup):
     ok = llm.generate({"prompt_token_ids": tok.encode("Look at", add_special_tokens=False)}, PARAMS, use_tqdm=False)[0]
     assert len(ok.outputs[0].token_ids) == PARAMS.max_tokens
     assert llm.engine.kv_manager.pool.is_whole()
+
+
+def test_images_arriving_while_others_decode_are_encoded_beside_a_step(setup):
+    """Requests with images that arrive while another decodes wait one step for their towers, which
+    run beside that step (on CPU synchronously, after its forward): no image is encoded inside the
+    step that admits its request, the burst is chunked by the encoder budget, and the greedy tokens
+    are transformers' (the same as encoding every image in its admitting step, budget 0)."""
+    from splitserve.multimodal.processor import offline_prompt
+    _, hf, processor = setup
+    path = hf.config._name_or_path
+    texts = [f"Request {i}: <image> what is shown?" for i in range(5)]
+    imgs = [random_image(60 + i, (48 + 9 * i, 64)) for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got = {}
+    for budget in (0, 2 * 16):  # tiny LLaVA: 16 image tokens per image, two images per step
+        llm = LLM(path, num_blocks=128, block_size=BLOCK, max_num_batched_tokens=4096, mm_encoder_budget=budget)
+        engine, mm = llm.engine, llm.engine.runner.mm
+        engine.add_request("r0", offline_prompt(engine, {"prompt": texts[0], "multi_modal_data": {"image": imgs[0]}}),
+                           params, stream=False)
+        outs, steps = {}, 0
+        while engine.has_unfinished_requests():
+            if steps == 2:  # r0 decodes: a burst of four arrives
+                for i in range(1, 5):
+                    engine.add_request(f"r{i}", offline_prompt(engine, {"prompt": texts[i],
+                                                                        "multi_modal_data": {"image": imgs[i]}}),
+                                       params, stream=False)
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+            steps += 1
+        got[budget] = [outs[f"r{i}"] for i in range(5)]
+        assert mm.num_images_encoded == 5
+        assert mm.num_images_prefetched == (0 if budget == 0 else 4)
+        assert engine.kv_manager.pool.is_whole() and mm.cache.is_whole() and not mm.pending
+    assert got[0] == got[2 * 16]
+    for toks, text, img in zip(got[0], texts, imgs):
+        assert toks == hf_greedy_mm(hf, dict(processor(text=text, images=[img], return_tensors="pt")), 10)[0]
