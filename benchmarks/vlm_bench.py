@@ -41,17 +41,41 @@ def merge(base: dict, overrides: dict) -> dict:
 
 
 def write_tiny_config(model_dir: str, directory: str) -> str:
-    """The model's config with its tiny_overrides.json merged in (tiny widths and depths, the same
-    image geometry), and its other files (processor configs) copied. Weights are random."""
+    """The model's config directory with its tiny_overrides.json merged in (tiny widths and depths, the
+    same image geometry): keys naming a file of the directory ("llm/config.json",
+    "archive/model_config.yaml": VILA's and NeVA's layouts) merge into that file, the others into
+    config.json. Weights are random."""
+    shutil.copytree(model_dir, directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns("tiny_overrides.json"))
+    with open(os.path.join(model_dir, "tiny_overrides.json")) as f:
+        overrides = json.load(f)
+    per_file = {"config.json": {k: v for k, v in overrides.items() if not k.endswith((".json", ".yaml"))}}
+    per_file.update({k: v for k, v in overrides.items() if k.endswith((".json", ".yaml"))})
+    for name, values in per_file.items():
+        merge_file(os.path.join(directory, name), values)
+    return directory
+
+
+def merge_file(path: str, values: dict) -> None:
+    import yaml
+    with open(path) as f:
+        cfg = yaml.safe_load(f) if path.endswith(".yaml") else json.load(f)
+    merge(cfg, values)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f) if path.endswith(".yaml") else json.dump(cfg, f)
+
+
+def write_text_model_config(model_dir: str, directory: str) -> str:
+    """The VLM's language model alone, as a Llama checkpoint directory (CogVLM without its visual
+    expert and tower: the reference of image-free CogVLM requests)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    with open(os.path.join(model_dir, "tiny_overrides.json")) as f:
-        merge(cfg, json.load(f))
-    for name in os.listdir(model_dir):
-        if name not in ("config.json", "tiny_overrides.json"):
-            shutil.copy(os.path.join(model_dir, name), directory)
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k not in ("vision_config", "auto_map")})
+    if text.get("model_type", "llama") != "llama":
+        raise ValueError(f"--text-model: {model_dir}'s language model is not a Llama")
+    text.update(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=cfg.get("torch_dtype", "bfloat16"))
+    os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg, f)
+        json.dump(text, f)
     return directory
 
 
@@ -142,7 +166,7 @@ def path_shares(paths: dict) -> str:
     return ", ".join(f"{k} {v} ({100 * v / total:.0f}%)" for k, v in paths.items())
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_CONFIG, help="config directory (random weights)")
     p.add_argument("--tiny", action="store_true",
@@ -162,33 +186,62 @@ def main(argv=None) -> int:
     p.add_argument("--image-size", default="336x336", help="random-mm image WIDTHxHEIGHT")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefetch", action="store_true",
-                   help="encode every image in the step that admits its request (A/B of encoding ahead)")
-    args = p.parse_args(argv)
-    if args.no_prefetch:
-        import splitserve.multimodal.step
-        splitserve.multimodal.step.PREFETCH_BATCH = 0
+                   help="encode every image in the step that admits its request (--mm-encoder-budget 0: the A/B "
+                        "of encoding ahead)")
+    p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--text-model", action="store_true",
+                   help="the model's language model alone (a Llama: CogVLM without its visual expert) on text-only "
+                        "prompts of the lengths in --lengths-from")
+    p.add_argument("--lengths-from", default=None, help="a --json-out file of a VLM run (its prompt lengths)")
+    p.add_argument("--suite", action="store_true",
+                   help="every decoder-only VLM of issue 41 (benchmarks/vlm_suite.py), one process each, one table")
+    p.add_argument("--suite-models", default=None, help="with --suite: config names, comma-separated")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.suite:
+        from benchmarks.vlm_suite import run_suite
+        return run_suite(args, sys.argv[1:] if argv is None else list(argv))
 
     import torch
 
     from splitserve.engine.llm import LLM
-    tmp = tempfile.TemporaryDirectory() if args.tiny else None
-    model = write_tiny_config(args.model, tmp.name) if tmp else args.model
+    tmp = tempfile.TemporaryDirectory()
+    model = write_tiny_config(args.model, os.path.join(tmp.name, "m")) if args.tiny else args.model
+    if args.text_model:
+        model = write_text_model_config(model, os.path.join(tmp.name, "text"))
     t0 = time.perf_counter()
     llm = LLM(model, random_weights=True, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              **({"mm_encoder_budget": 0} if args.no_prefetch else {}))
     start_s = time.perf_counter() - t0
+    cfg = llm.engine.config
+    result = {"model": os.path.basename(os.path.normpath(args.model)), "architecture": cfg.model.architecture,
+              "start_s": start_s}
+    if args.text_model:
+        with open(args.lengths_from) as f:
+            vlm_run = json.load(f)
+        lengths = vlm_run["vlm"]["prompt_lengths"]
+        AVOID.add(vlm_run["image_token"])  # the same prompts as the VLM's text-only run
+        result["text"] = measure_throughput(llm, args, None, lengths)
+        print(f"{result['model']} language model alone ({cfg.model.architecture}): "
+              f"{result['text']['output_tok_s']:.1f} output tok/s")
+        return finish(args, result, tmp)
     image_token = llm.engine.mm_processor.placeholder_id
     AVOID.add(image_token)
-    cfg = llm.engine.config
+    result["image_token"] = image_token
 
     ttfts, ttft_prompt_len = measure_ttft(llm, args, image_token)
     tp = measure_throughput(llm, args, image_token)
     text = None if args.no_text_only else measure_throughput(llm, args, image_token, tp["prompt_lengths"])
     assert llm.engine.kv_manager.pool.is_whole()
     assert llm.engine.runner.mm is None or llm.engine.runner.mm.cache.is_whole()
+    result.update(vlm=tp, text=text, ttft_ms=statistics.median(ttfts) * 1e3)
 
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
-    print(f"\nsplitserve VLM benchmark: {'tiny ' if args.tiny else ''}{os.path.basename(os.path.normpath(args.model))} "
+    print(f"\nsplitserve VLM benchmark: {'tiny ' if args.tiny else ''}{result['model']} "
           f"({cfg.model.architecture}), {cfg.model.dtype}, {device}, backend {cfg.attention_backend}, "
           f"engine start {start_s:.1f} s")
     rows = [
@@ -213,8 +266,14 @@ def main(argv=None) -> int:
     print("-" * (width + 60))
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    if tmp:
-        tmp.cleanup()
+    return finish(args, result, tmp)
+
+
+def finish(args, result: dict, tmp) -> int:
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f)
+    tmp.cleanup()
     return 0
 
 

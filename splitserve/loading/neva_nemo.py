@@ -234,6 +234,8 @@ def load_neva_config(directory: str):
         bos_token_id=None, eos_token_id=None)
     config.architectures = ["NevaForCausalLM"]
     tower = info.get("vision_tower_dir")
+    if tower is not None and not os.path.isabs(tower):  # a hand-written directory (benchmark configs)
+        tower = os.path.join(directory, tower)
     if tower is None:
         raise ValueError(f"NeVA's vision tower {info.get('vision_tower_name')!r} (mm_cfg.vision_encoder."
                          f"from_pretrained) was not found: give a local HF CLIP directory there (absolute, or "
