@@ -7,7 +7,9 @@ of each image's features overwrites the token embeddings at its rows. A step wit
 returns None and runs exactly as a text step (so decode steps keep their CUDA graphs).
 
 Encoding ahead (`prefetch`, after the step's forward is enqueued): the scheduler announces the
-images of waiting requests once (`SchedulerOutput.mm_prefetch`); up to PREFETCH_BATCH of them that
+images of waiting requests once (`SchedulerOutput.mm_prefetch`, up to its encoder budget of image
+tokens per step; a request arriving while others decode is admitted only a step after its
+announcement, so its tower runs here rather than in the admitting step); up to PREFETCH_BATCH of them that
 fit in the encoder cache's room are encoded per step, on a second CUDA stream, so the tower runs
 beside the decoder's steps (mostly memory-bound decode steps, whose compute units idle) instead of
 inside the step that admits them, and in larger batches. Their features enter the cache reserved
