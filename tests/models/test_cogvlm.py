@@ -269,3 +269,20 @@ def test_visual_expert_runs_only_on_image_rows(setup):
     finally:
         for h in handles:
             h.remove()
+
+
+def test_piecewise_path_takes_image_free_steps_and_leaves_routed_ones_eager(setup):
+    """With piecewise segments (run eagerly on CPU, the buffers and padding of the GPU path), steps
+    without image rows run the plain Llama segments and steps with them the routed layers eagerly;
+    the tokens stay the reference's."""
+    from splitserve.worker.cuda_graphs import PiecewiseGraphs
+    _, ref, tok, path = setup
+    llm = LLM(path, num_blocks=128, block_size=BLOCK, max_num_batched_tokens=32, max_model_len=1024)
+    runner = llm.engine.runner
+    runner.piecewise = PiecewiseGraphs(runner.model, [8, 32], runner.device, use_graphs=False)
+    assert not runner.piecewise.accepts_embeds
+    cases = [("What is this?", random_image(12, (70, 60))), ("Plain text, no picture at all.", None)]
+    outs = llm.generate([prompt(tok, t, i) for t, i in cases], PARAMS, use_tqdm=False)
+    for out, (text, img) in zip(outs, cases):
+        check(out, ref, tok, text, img)
+    assert runner.steps_by_path["piecewise"] > 0 and runner.steps_by_path["eager"] > 0

@@ -202,6 +202,8 @@ class CogVLMForCausalLM(CogVLMProcessing, VisionLanguageModel):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
                 intermediate=None):
+        if inputs_embeds is None:  # routed steps come with the step encoder's embeddings: a stale route
+            self.expert_tokens.route = None  # (a step that failed before its forward) never leaks here
         try:
             return self.language_model(input_ids, positions, inputs_embeds, intermediate)
         finally:  # the route belongs to this step alone
