@@ -45,8 +45,9 @@ def resolve_preprocess_device(setting: str | None, engine_device: str) -> str | 
 
 
 # -- the ops -----------------------------------------------------------------------------------------
-def to_uint8_chw(img, device) -> torch.Tensor:
-    """A PIL image, an HWC uint8 array or a CHW/HWC uint8 tensor -> [3, H, W] uint8 on `device`."""
+def to_uint8_chw(img, device=None) -> torch.Tensor:
+    """A PIL image, an HWC uint8 array or a CHW/HWC uint8 tensor -> [3, H, W] uint8 (on `device`;
+    None: where it is). The 8-bit image is what crosses to the GPU (a quarter of float's bytes)."""
     if isinstance(img, torch.Tensor):
         t = img if img.shape[0] in (1, 3) else img.permute(2, 0, 1)
     else:
@@ -59,10 +60,7 @@ def to_uint8_chw(img, device) -> torch.Tensor:
         raise ValueError(f"expected 8-bit pixels, got {t.dtype}")
     if t.shape[0] == 1:
         t = t.expand(3, -1, -1)
-    # Copy the 8-bit image across (a quarter of float's bytes); pinned, the copy overlaps.
-    if torch.device(device).type == "cuda" and t.device.type == "cpu":
-        t = t.contiguous().pin_memory()
-    return t.to(device, non_blocking=True)
+    return t if device is None else t.to(device, non_blocking=True)
 
 
 def resize_like_pil(x: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
@@ -98,13 +96,16 @@ def _window(size_in: int, size_out: int, support: float) -> int:
 
 
 def normalize(x: torch.Tensor, scale: float | None, mean, std) -> torch.Tensor:
-    """(x * scale - mean) / std per channel over [..., C, H, W]; scale/mean None skip that step."""
+    """(x * scale - mean) / std per channel over [..., C, H, W]; scale/mean None skip that step.
+    In HF's order of float32 operations (rescale, then subtract and divide), so results agree to
+    float32 rounding."""
+    x = x.float()
     if scale is not None:
         x = x * scale
     if mean is not None:
-        m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).reshape(-1, 1, 1)
-        s = torch.as_tensor(std, dtype=torch.float32, device=x.device).reshape(-1, 1, 1)
-        x = (x - m) / s
+        m = torch.tensor(mean, dtype=torch.float32).reshape(-1, 1, 1).to(x.device, non_blocking=True)
+        s = torch.tensor(std, dtype=torch.float32).reshape(-1, 1, 1).to(x.device, non_blocking=True)
+        x = x.sub(m).div_(s)
     return x
 
 
@@ -132,10 +133,13 @@ def group_by_size(images: list[torch.Tensor]) -> dict[tuple[int, int], list[int]
     return groups
 
 
-def _run_grouped(fn, images: list[torch.Tensor]) -> list:
+def _run_grouped(fn, images: list[torch.Tensor], device) -> list:
+    """fn over same-sized groups: each group stacked where the images are (the host) and copied to
+    the device in one transfer."""
     out: list = [None] * len(images)
     for idx in group_by_size(images).values():
-        results = fn(torch.stack([images[i] for i in idx]))
+        batch = torch.stack([images[i] for i in idx]) if len(idx) > 1 else images[idx[0]][None]
+        results = fn(batch.to(device, non_blocking=True))
         for i, r in zip(idx, results):
             out[i] = r
     return out
@@ -161,7 +165,7 @@ class TensorProcessorBase:
 
     def run_many(self, images: list) -> list:
         """Any images (PIL/arrays/tensors) -> results on the device, same-sized ones batched."""
-        return _run_grouped(self.run_batch, self.to_device(images))
+        return _run_grouped(self.run_batch, [to_uint8_chw(img) for img in images], self.device)
 
     def run_batch(self, batch: torch.Tensor) -> list:
         raise NotImplementedError
@@ -243,9 +247,9 @@ class FuyuTensorProcessor(TensorProcessorBase):
         return list(normalize(x, self.scale, mean, std))
 
     def __call__(self, images, return_tensors: str = "pt", **kwargs) -> dict:
-        tensors = self.to_device(list(images))
+        tensors = [to_uint8_chw(img) for img in images]
         sizes = [self.fitted_size(*t.shape[-2:]) for t in tensors]
-        out = _run_grouped(self.run_batch, tensors)
+        out = _run_grouped(self.run_batch, tensors, self.device)
         return {"images": [[t.cpu()] for t in out], "image_unpadded_heights": [[h] for h, _ in sizes],
                 "image_unpadded_widths": [[w] for _, w in sizes]}
 
