@@ -374,6 +374,13 @@ class OnnxConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """The front's image preprocessing: tensor ops on this device (multimodal/tensor_preprocess.py),
+    or None for the model's Hugging Face image processor (the reference)."""
+    preprocess_device: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -387,6 +394,7 @@ class EngineConfig:
     onnx: OnnxConfig | None = None  # None: the torch model (else the ONNX Runtime backend)
     kv_transfer: KVTransferConfig | None = None  # None: no KV connector
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     structured_outputs_fill: str = "process"  # one of STRUCTURED_OUTPUT_FILLS
     seed: int | None = None
     async_scheduling: bool | None = None  # None: on with CUDA

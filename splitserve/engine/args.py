@@ -45,6 +45,10 @@ class EngineArgs(CliOptions):
     num_frames: int | None = option(
         None, default_text="the model's (Video NeVA: data.num_frames of its config, else 8)",
         help="frames sampled evenly from each video input (models that take videos)")
+    mm_preprocess: str = option(
+        "auto", help="image preprocessing (resize, normalise, patchify) of vision-language models: auto (tensor "
+                     "ops on the GPU when the engine runs on one, else the Hugging Face processor), hf, cpu or "
+                     "cuda[:N] (tensor ops there)")
     max_num_seqs: int = option(256, help="most sequences in one step's batch")
     max_num_batched_tokens: int = option(
         8192, help="token budget of one step; longer prompts are prefilled in chunks")

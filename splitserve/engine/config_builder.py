@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from splitserve.config import (CacheConfig, CompileConfig, EngineConfig, LoadConfig, LoRAConfig, ModelConfig,
-                               OnnxConfig, ParallelConfig, SchedulerConfig, parse_kv_transfer_config,
+                               MultiModalConfig, OnnxConfig, ParallelConfig, SchedulerConfig, parse_kv_transfer_config,
                                SpeculativeConfig)
 
 
@@ -124,6 +124,7 @@ def build_engine_config(args) -> EngineConfig:
     from splitserve.loading.resolve import resolve_model
     from splitserve.models.loader import load_hf_config
     from splitserve.models.registry import get_model_class
+    from splitserve.multimodal.tensor_preprocess import resolve_preprocess_device
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     source = resolve_model(args.model)
@@ -166,6 +167,7 @@ def build_engine_config(args) -> EngineConfig:
         lora=lora_config(args), onnx=onnx,
         kv_transfer=kv_transfer_config(args, args.world_size),
         speculative=speculative_config(args, hf_config, max_model_len),
+        multimodal=MultiModalConfig(resolve_preprocess_device(args.mm_preprocess, device)),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),

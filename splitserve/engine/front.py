@@ -42,6 +42,9 @@ def build_front_mm_processor(config: EngineConfig, tokenizer, model=None):
     processor = build_mm_processor(model, config.load.source, tokenizer)
     if processor is not None:
         processor.max_model_len = config.model.max_model_len
+        device = config.multimodal.preprocess_device
+        if device is not None and hasattr(processor, "set_preprocess_device"):
+            processor.set_preprocess_device(device)
     return processor
 
 

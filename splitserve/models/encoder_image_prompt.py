@@ -19,6 +19,13 @@ class EncoderImagePromptProcessor:
         self.tokenizer = tokenizer
         self.image_processor = load_image_processor(model_directory)
 
+    def set_preprocess_device(self, device) -> None:
+        """Tensor-op preprocessing on `device` where the image processor has a tensor version."""
+        from splitserve.multimodal.tensor_preprocess import tensor_processor_for
+        fast = tensor_processor_for(self.image_processor, device)
+        if fast is not None:
+            self.image_processor = fast
+
     def encoder_item(self, img, img_hash: str, text: str):
         """The image's ImageItem (offset 0) for the encoder, given the request's text."""
         raise NotImplementedError

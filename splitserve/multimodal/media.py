@@ -169,7 +169,7 @@ def _check_host(url: str, policy: MediaPolicy) -> None:
         raise MediaError(f"image host {host!r} is not in --allowed-media-domains")
 
 
-async def fetch_http_image(url: str, policy: MediaPolicy):
+async def fetch_http_image(url: str, policy: MediaPolicy, executor=None):
     """Downloads an allowed http(s) image, stopping as soon as it passes the size cap."""
     import httpx
     _check_host(url, policy)
@@ -190,7 +190,8 @@ async def fetch_http_image(url: str, policy: MediaPolicy):
         raise MediaError(f"fetching the image timed out after {policy.fetch_timeout_s} s") from None
     except httpx.HTTPError as e:
         raise MediaError(f"fetching the image failed ({type(e).__name__})") from None
-    return await asyncio.to_thread(decode_image_bytes, data, policy, "remote image")  # CPU work: off the loop
+    # Decoding is CPU work: off the loop, on the caller's pool (None: the loop's default executor).
+    return await asyncio.get_running_loop().run_in_executor(executor, decode_image_bytes, data, policy, "remote image")
 
 
 def load_image(source, policy: MediaPolicy):
@@ -219,10 +220,3 @@ def load_image(source, policy: MediaPolicy):
         raise MediaError("image_url must be a data:, file:// or http(s) URL")
     return _read_local(source, policy, f"image file {source!r}")
 
-
-async def load_image_async(source, policy: MediaPolicy):
-    if isinstance(source, dict):
-        source = source.get("url")
-    if isinstance(source, str) and source.startswith(("http://", "https://")):
-        return await fetch_http_image(source, policy)
-    return await asyncio.to_thread(load_image, source, policy)

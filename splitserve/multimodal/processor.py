@@ -17,6 +17,7 @@ import torch
 
 from splitserve.protocol.mm_inputs import ImageItem, MultiModalPrompt, ProcessedImage, image_hash
 from splitserve.multimodal.media import MediaError, MediaPolicy, load_image
+from splitserve.multimodal.tensor_preprocess import tensor_processor_for
 from splitserve.multimodal.video import DecodedVideo, VideoRef, load_video
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,13 @@ class MultiModalProcessor:
         self.max_model_len: int | None = None  # set by the engine's front: a video too long is a 400
 
     # -- images ----------------------------------------------------------------------------------
+    def set_preprocess_device(self, device) -> None:
+        """Preprocess with tensor ops on `device` (multimodal/tensor_preprocess.py) where this model's
+        image processor has a tensor version; the HF processor stays otherwise."""
+        fast = tensor_processor_for(self.image_processor, device)
+        if fast is not None:
+            self.image_processor = fast
+
     def process_image(self, img) -> ProcessedImage:
         # Hook: a model whose image processor gives more than pixel tiles (Fuyu's patch grids) turns
         # one image into (pixel_values, image_size, num_tokens) itself.

@@ -31,7 +31,8 @@ from splitserve.entrypoints.openai.serving_logprobs import (chat_logprobs, compl
                                                             prompt_logprobs_out)
 from splitserve.entrypoints.openai.tool_choice import plan_tools, template_message
 from splitserve.entrypoints.openai.sse import event_stream_response, sse as _sse
-from splitserve.entrypoints.openai.serving_mm import build_chat_prompt, build_messages_prompt, chat_image_sources
+from splitserve.entrypoints.openai.serving_mm import (MediaPool, build_chat_prompt, build_messages_prompt,
+                                                     chat_image_sources)
 from splitserve.multimodal.media import MediaPolicy
 from splitserve.multimodal.processor import IMAGE_MARKER, IMAGE_PART_TYPES, VIDEO_MARKER, VIDEO_PART_TYPES
 from splitserve.sampling_params import SamplingParams, SamplingParamsError
@@ -90,6 +91,8 @@ class OpenAIServing:
         # replaces the default policy with the server's flags).
         self.mm_processor = getattr(engine.engine, "mm_processor", None)
         self.media_policy = MediaPolicy()
+        # Decoding and preprocessing of images: worker threads, never the event loop (serving_mm.py).
+        self.media_pool = MediaPool() if self.mm_processor is not None else None
         # Single-token decodes for logprobs; the vocabulary is fixed, so caching is safe.
         self.token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_WORKERS, thread_name_prefix="splitserve-tokenize")
@@ -487,14 +490,14 @@ class OpenAIServing:
         sources = chat_image_sources(req.messages) if self.mm_processor is not None else []
         if sources and hasattr(self.mm_processor, "chat_prompt_from_messages"):  # no chat template (Pix2Struct)
             prompt = await build_messages_prompt(self.mm_processor, self.media_policy,
-                                                 [m.model_dump() for m in req.messages], sources)
+                                                 [m.model_dump() for m in req.messages], sources, self.media_pool)
         else:
             prompt = await self._off_loop(self._chat_text_chars(req.messages, req.chat_template_kwargs),
                                           self.apply_chat_template, req.messages, req.add_generation_prompt,
                                           req.continue_final_message, req.chat_template_kwargs, tokenize=not sources,
                                           tools=req.tools)
         if sources and not hasattr(self.mm_processor, "chat_prompt_from_messages"):
-            prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources)
+            prompt = await build_chat_prompt(self.mm_processor, self.media_policy, prompt, sources, self.media_pool)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = self._truncate(prompt, params)
         streams = self._add_all(request_id, [prompt], params, "messages", lora, req.priority)

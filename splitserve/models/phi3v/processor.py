@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from splitserve.models.prompt_hooks import ImagePromptHooks
 from splitserve.multimodal.media import MediaError
 from splitserve.multimodal.processor import IMAGE_MARKER
+from splitserve.multimodal.tensor_preprocess import TensorProcessorBase, normalize, resize_like_pil
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -93,6 +94,55 @@ class Phi3VImageProcessor:
         if len(pixels) != 1:  # the engine processes one image at a time; crop counts differ
             raise ValueError("Phi3VImageProcessor takes one image per call")
         return {"pixel_values": pixels[0][None], "image_sizes": torch.tensor(sizes)}
+
+    def on_device(self, device) -> "Phi3VTensorProcessor":
+        """The tensor-op version (multimodal/tensor_preprocess.py finds it by this name)."""
+        return Phi3VTensorProcessor(self, device)
+
+
+class Phi3VTensorProcessor(TensorProcessorBase):
+    """Phi3VImageProcessor as tensor ops on a device: the same HD resize (bilinear as PIL's, rounded
+    to 8 bits per pass, a tall image transposed first), white padding, normalisation, the bicubic
+    global view and the crops. Same call and outputs (CPU tensors)."""
+
+    def __init__(self, reference: Phi3VImageProcessor, device):
+        super().__init__(device)
+        self.num_crops, self.side = reference.num_crops, reference.side
+        self.mean, self.std = reference.mean.flatten().tolist(), reference.std.flatten().tolist()
+
+    def run_batch(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """[N, 3, H, W] uint8 -> N tensors [1 + crops, 3, S, S] (the global view first)."""
+        s = self.side
+        x = batch
+        transposed = x.shape[-1] < x.shape[-2]
+        if transposed:
+            x = x.transpose(-1, -2)
+        new_w, new_h, pad_w, pad_h = hd_size(x.shape[-1], x.shape[-2], self.num_crops, s)
+        x = resize_like_pil(x, (new_h, new_w), 2)
+        top = (pad_h - new_h) // 2  # white rows above and below, the extra one below
+        x = F.pad(x, (0, pad_w - new_w, top, pad_h - new_h - top), value=255.0)
+        if transposed:
+            x = x.transpose(-1, -2)
+        x = normalize(x, 1 / 255.0, self.mean, self.std)
+        n, _, h, w = x.shape
+        glob = F.interpolate(x, size=(s, s), mode="bicubic")
+        crops = x.reshape(n, 3, h // s, s, w // s, s).permute(0, 2, 4, 1, 3, 5).reshape(n, -1, 3, s, s)
+        return list(torch.cat([glob[:, None], crops], dim=1))
+
+    def __call__(self, images, return_tensors: str = "pt") -> dict:
+        if len(images) != 1:  # as the reference: crop counts differ between images
+            raise ValueError("Phi3VImageProcessor takes one image per call")
+        x = self.to_device(list(images))[0]
+        pixels = self.run_batch(x[None])[0]
+        return {"pixel_values": pixels[None].cpu(), "image_sizes": torch.tensor([self.padded_size(*x.shape[-2:])])}
+
+    def padded_size(self, h: int, w: int) -> list[int]:
+        """[H, W] of the padded HD image (what the model counts crops from)."""
+        if w < h:
+            _, _, pad_w, pad_h = hd_size(h, w, self.num_crops, self.side)
+            return [pad_w, pad_h]
+        _, _, pad_w, pad_h = hd_size(w, h, self.num_crops, self.side)
+        return [pad_h, pad_w]
 
 
 # -- prompts --------------------------------------------------------------------------------------

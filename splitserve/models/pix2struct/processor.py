@@ -53,6 +53,9 @@ class Pix2StructPromptProcessor(EncoderImagePromptProcessor):
 
     def flattened_patches(self, img, header: str | None) -> torch.Tensor:
         """The image's real patches [n, 2 + patch pixels] (the processor pads to max_patches)."""
+        flattened = getattr(self.image_processor, "flattened", None)
+        if flattened is not None:  # the tensor path (set_preprocess_device): header and patches on its device
+            return flattened(img, (header or DEPLOT_PROMPT) if self.is_vqa else None, self.font_path).cpu()
         if self.is_vqa:
             img = render_header(self.image_processor, img, header or DEPLOT_PROMPT, self.font_path)
         out = self.image_processor(images=[img], return_tensors="pt", is_vqa=False)
