@@ -96,11 +96,16 @@ def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         raise ValueError("speculative_config: speculative decoding runs with one rank only for now "
                          "(tensor_parallel_size = pipeline_parallel_size = 1)")
-    if spec.method != "draft_model":
+    if spec.method == "ngram":
         return spec
     from dataclasses import replace
 
     from splitserve.loading.resolve import resolve_model
+    if spec.method in ("eagle", "eagle3"):  # the head's config and tensor shapes checked against the target's
+        from splitserve.models.eagle import inspect_head
+        path = os.path.expanduser(spec.model)  # a local folder, else a hub id in the local cache
+        directory = path if os.path.isdir(path) else resolve_model(spec.model).directory
+        return replace(spec, draft_hf_config=inspect_head(directory, spec.method, hf_config))
     from splitserve.models.loader import load_hf_config
     source = resolve_model(spec.model)
     draft = load_hf_config(source)
