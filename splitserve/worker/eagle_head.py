@@ -79,7 +79,6 @@ class EagleProposer(DraftModelProposer):
         super().__init__(head, head.info.config, k, block_size, max_blocks_per_seq, backend, kv_cache_dtype, device)
         self.head, self.vocab_size = head, vocab_size
         self.aux_layers = head.info.aux_layers if head.eagle3 else ()
-        self.piecewise_ok = not self.aux_layers  # piecewise graphs give the final hidden states only
         self._features: torch.Tensor | None = None
         self.num_fill_tokens = 0  # head tokens run by fills (tests, benchmarks)
 
@@ -92,9 +91,20 @@ class EagleProposer(DraftModelProposer):
         self._features = torch.cat(aux, dim=-1)
         return hidden
 
-    def saw(self, hidden: torch.Tensor) -> None:
-        """The target's final hidden states of the step (a copy: a graph's buffer is reused)."""
+    def graph_features(self, model, input_ids: torch.Tensor, positions: torch.Tensor):
+        """What the decode graphs run instead of the model: (hidden states, the head's features)."""
         if not self.aux_layers:
+            hidden = model(input_ids, positions)
+            return hidden, hidden
+        hidden, aux = target_forward_with_aux(model, input_ids, positions, self.aux_layers)
+        return hidden, torch.cat(aux, dim=-1)
+
+    def saw(self, hidden: torch.Tensor | None, features: torch.Tensor | None) -> None:
+        """The step's features: given by a graph (copied: its buffers are reused), else the final
+        hidden states (EAGLE), else what `target_forward` kept (EAGLE-3, eager)."""
+        if features is not None:
+            self._features = features.clone()
+        elif not self.aux_layers:
             self._features = hidden.clone()
 
     def keep(self, ib: InputBatch, sched, batch) -> EagleStep:

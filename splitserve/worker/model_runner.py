@@ -271,7 +271,8 @@ class ModelRunner:
         cross_blocks = 0 if self.encdec is None else self.encdec.cross_table.shape[1]
         self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
                                    self.kv_layout()[1], self.device, lora_state=lora_state,
-                                   cross_blocks=cross_blocks, block_size=self.block_size)
+                                   cross_blocks=cross_blocks, block_size=self.block_size,
+                                   features=getattr(self.drafter, "graph_features", None))
         if self.encdec is None:
             self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
@@ -284,7 +285,8 @@ class ModelRunner:
         budget = self.config.scheduler.max_num_batched_tokens
         piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
         if piecewise_sizes and self.encdec is None and supports_piecewise(self.model):
-            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state)
+            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state,
+                                             aux_layers=getattr(self.drafter, "aux_layers", ()))
             self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
@@ -448,19 +450,22 @@ class ModelRunner:
         # Graphs hold the LoRA delta (its layout is in static buffers, written by prepare); decode
         # graphs also exist without it, for steps where no token has an adapter.
         lora = self.lora is not None and self.lora.active
-        eagle = getattr(self.drafter, "uses_target_hidden", False)  # keeps the target's features: no decode graphs
-        if (self.graphs is not None and not eagle and meta.is_pure_decode and batch.inputs_embeds is None
+        eagle = getattr(self.drafter, "uses_target_hidden", False)  # an EAGLE head keeps the target's features
+        if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
                 and batch.prompt_logprobs is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
             self.steps_by_path["decode_graph"] += 1
-            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta, lora)
-        ctx = ForwardContext(meta, self.backend)
+            logits = self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta, lora)
+            if eagle:
+                self.drafter.saw(None, self.graphs.features[:num_seqs])
+            return logits
+        ctx, features = ForwardContext(meta, self.backend), None
         if (self.piecewise is not None and (batch.inputs_embeds is None or self.piecewise.accepts_embeds)
-                and (not eagle or self.drafter.piecewise_ok)
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
             self.steps_by_path["piecewise"] += 1
             hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx, batch.inputs_embeds)
+            features = self.piecewise.aux_features(hidden.shape[0])
         else:
             self.steps_by_path["eager"] += 1
             with forward_context(ctx):
@@ -471,7 +476,7 @@ class ModelRunner:
                 else:
                     hidden = self.model(batch.input_ids, batch.positions, batch.inputs_embeds)
         if eagle:
-            self.drafter.saw(hidden)
+            self.drafter.saw(hidden, features)
         if batch.prompt_logprobs is not None:
             batch.prompt_logprobs_out = compute_prompt_logprobs(self.model, hidden, batch.prompt_logprobs,
                                                                 self.config.model.vocab_size)

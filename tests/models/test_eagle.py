@@ -225,7 +225,19 @@ def _acceptance(llm) -> tuple[int, int]:
     return s.spec_num_draft_tokens, s.spec_num_accepted_tokens
 
 
-@pytest.mark.parametrize("variant", ["plain", "oracle", "async_preempt"])
+def _graph_paths(llm) -> None:
+    """The runner's decode and piecewise graphs as the CUDA fast path sets them up (for EAGLE: the
+    features kept by the graphs), run eagerly on their static buffers (use_graphs=False)."""
+    from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+    r = llm.engine.core.executor.runner
+    r.graphs = DecodeGraphs(r.model, r.backend, [1, 2, 4, 8], r.max_blocks_per_seq, TINY["max_model_len"],
+                            r.kv_layout()[1], r.device, use_graphs=False, block_size=r.block_size,
+                            features=r.drafter.graph_features)
+    r.piecewise = PiecewiseGraphs(r.model, [16, 32, 64, 128], r.device, use_graphs=False,
+                                  aux_layers=r.drafter.aux_layers)
+
+
+@pytest.mark.parametrize("variant", ["plain", "oracle", "async_preempt", "graphs"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_greedy_equals_speculation_off_and_drafts_equal_the_reference(target_dir, heads, off, method, variant):
     from transformers import AutoModelForCausalLM
@@ -233,20 +245,30 @@ def test_greedy_equals_speculation_off_and_drafts_equal_the_reference(target_dir
     if variant == "async_preempt":  # a pool small enough for preemptions (the head's cache refilled)
         del kw["cpu_kv_cache_gib"]
         kw.update(async_scheduling=True, num_blocks=7, block_size=8, max_num_batched_tokens=10)  # chunked prompts
-    llm = LLM(target_dir, speculative_config={"method": method, "model": heads[method], "num_speculative_tokens": K},
-              **kw)
+    spec = {"method": method, "model": heads[method], "num_speculative_tokens": K}
+    params, want = GREEDY, off
+    if variant == "graphs":  # 4 running: no drafts (pure decode steps, decode graphs); 2 left: drafts
+        spec["disable_by_batch_size"] = 3
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 24, 24)]
+        want = [o[:n] for o, n in zip(off, (8, 12, 24, 24))]
+    llm = LLM(target_dir, speculative_config=spec, **kw)
+    if variant == "graphs":
+        _graph_paths(llm)
     oracle = {tuple(p): o for p, o in zip(PROMPTS, off)} if variant == "oracle" else None
     log = _record_proposals(llm, oracle)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == off
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
     drafted, accepted = _acceptance(llm)
     print(f"\n{method} {variant}: {accepted}/{drafted} drafts accepted, mean acceptance length "
           f"{1 + accepted / max(1, drafted / K):.2f}")
-    assert drafted > 0 and len(log) > 10
+    assert drafted > 0 and len(log) > (4 if variant == "graphs" else 10)
     if variant == "oracle":
         assert accepted > drafted // 3
     if variant == "async_preempt":
         assert llm.engine.core.scheduler.num_preemptions > 0
+    if variant == "graphs":
+        paths = llm.engine.core.executor.runner.steps_by_path
+        assert paths["decode_graph"] > 5 and paths["piecewise"] > 5 and paths["eager"] == 0, paths
     assert llm.engine.kv_manager.pool.is_whole()
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     t = head_tensors(method, 7, draft_ids(7) if method == "eagle3" else None)
