@@ -10,9 +10,10 @@ head of the public shape (one layer with attention over 2 x hidden, fc over 3 x 
 LM head over a 32000-token draft vocabulary mapped to the target's), built by models/eagle.build_head
 on the target, its layer halves compiled as the engine compiles them, its own paged cache. A head
 step is what each of the k - 1 proposal forwards does: one token through the layer, the draft-vocab
-logits, the argmax and the map to target ids. Timed eagerly (as the engine runs it now) and, on CUDA,
-replayed as one CUDA graph (what capturing the proposal forwards would give). Also the head's fill
-over 1 + k tokens (the collect-time forward after a verify step that accepted everything).
+logits, the argmax and the map to target ids. Timed eagerly and as the engine runs it (the head's
+decode graphs, worker/eagle_head.HeadGraphs, padded to 2 like every batch-1 graph of the engine;
+eager buffers on the CPU). Also the head's fill over 1 + k tokens (the collect-time forward after a
+verify step that accepted everything).
 Prints ms per call (back to back, synchronised at the end) and the ratio to the target step.
 """
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main() -> None:
     from splitserve import LLM
     from splitserve.attention.layer import ForwardContext, forward_context
     from splitserve.models.eagle import build_head
+    from splitserve.worker.eagle_head import HeadGraphs
     from splitserve.worker.model_runner import compile_decoder_layers
 
     if args.tiny:
@@ -172,19 +174,16 @@ def main() -> None:
         rows.append(("head step", "eager" + (", compiled layer halves" if cuda else ""),
                      per_call_ms(head_step, iters, sync)))
         rows.append((f"head fill of {1 + args.k} tokens", "eager", per_call_ms(head_fill, iters, sync)))
+        graphs = HeadGraphs(head, runner.backend, [2], runner.max_blocks_per_seq, runner.config.model.max_model_len,
+                            attn.num_kv_heads, dev, use_graphs=cuda)
         if cuda:
-            try:
-                backend = runner.backend
-                # The graph reads the metadata's tensors as they are at capture (a fixed context).
-                head_step()
-                sync()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    head_step()
-                rows.append(("head step", "one CUDA graph", per_call_ms(graph.replay, iters, sync)))
-                del backend
-            except Exception as exc:  # the backend may need its graph state; report rather than fail
-                rows.append(("head step", f"CUDA graph failed: {type(exc).__name__}: {exc}"[:70], float("nan")))
+            graphs.capture(torch.cuda.graph_pool_handle(), torch.cuda.Stream())
+
+        def head_step_graph():
+            logits, fed = graphs.run_head(1, tok, pos, meta, feature)
+            return head.draft_to_target[logits.argmax(dim=-1)], fed
+        rows.append(("head step", "engine: HeadGraphs" + (" (CUDA graph of 2)" if cuda else " (eager buffers)"),
+                     per_call_ms(head_step_graph, iters, sync)))
     name = "tiny (CPU smoke)" if args.tiny else "Llama-3-8B shape, bf16, random weights"
     print(f"\n{name}; batch 1, context {args.context}; EAGLE-3 head hidden {H}, draft vocab {draft_vocab}")
     print(f"{'what':24s} {'how':40s} {'ms/call':>9s} {'x target':>9s}")

@@ -19,7 +19,7 @@ Per step:
   with another next token, which costs acceptance, never correctness).
 - Proposing: the fill's output at a sequence's last verified position gives draft 1; k - 1 one-token
   forwards at positions P .. P + k - 2 (P: the last known token's) feed back the head's own output as
-  the feature and give drafts 2..k. Those writes land in the request's k lookahead slots and are
+  the feature and give drafts 2..k (on CUDA replaying decode graphs of their own, `HeadGraphs`). Those writes land in the request's k lookahead slots and are
   rewritten by the next fill. Greedy drafts are the argmax; a sampled request's come from q, the
   head's distribution under the request's sampling parameters, mapped from the draft vocabulary to
   the target's (zero elsewhere), kept for the exact verification (`draft_probs`, inherited).
@@ -34,6 +34,7 @@ import torch
 from splitserve.attention.backend import AttentionMetadata
 from splitserve.attention.layer import ForwardContext, forward_context
 from splitserve.models.eagle import EagleHead, target_forward_with_aux
+from splitserve.worker.cuda_graphs import DecodeGraphs
 from splitserve.worker.draft_model import DraftModelProposer
 from splitserve.worker.input_batch import CachedRequestState, InputBatch
 from splitserve.worker.sampling_metadata import build_sampling_metadata
@@ -69,6 +70,33 @@ def _metadata(rows_tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, l
         block_tables=torch.from_numpy(np.ascontiguousarray(rows_tables)).to(dev), max_query_len=int(counts.max()),
         max_seq_len=int(seq_lens.max()), query_start_loc_cpu=qsl_t, seq_lens_cpu=lens_t)
     return meta, pos
+
+
+class HeadGraphs(DecodeGraphs):
+    """Decode graphs of the head's one-token proposal forwards: the feature fed back is one more
+    static input, and the graph writes the draft-vocabulary logits and the next feature."""
+
+    def __init__(self, head: EagleHead, *args, **kwargs):
+        super().__init__(head, *args, **kwargs)
+        with torch.inference_mode():
+            self.feature = torch.zeros(self.max_size, head.hidden_size, dtype=head.fc.params_dtype,
+                                       device=self.input_ids.device)
+        self.fed: torch.Tensor | None = None
+
+    def _forward(self, bs: int) -> None:
+        meta = self.backend.capture_metadata(self.attn_state, bs)
+        with forward_context(ForwardContext(meta, self.backend)):
+            x, fed = self.model(self.input_ids[:bs], self.positions[:bs], self.feature[:bs])
+        logits = self.model.compute_logits(x)
+        if self.logits is None:  # the first (uncaptured) run: the buffers' sizes
+            self.logits = logits.new_empty(self.max_size, logits.shape[1])
+            self.fed = fed.new_empty(self.max_size, fed.shape[1])
+        self.logits[:bs].copy_(logits)
+        self.fed[:bs].copy_(fed)
+
+    def run_head(self, n: int, tokens, positions, meta, feature) -> tuple[torch.Tensor, torch.Tensor]:
+        self.feature[:n].copy_(feature)
+        return self.run(n, tokens, positions, meta), self.fed[:n]
 
 
 class EagleProposer(DraftModelProposer):
@@ -124,8 +152,13 @@ class EagleProposer(DraftModelProposer):
             self.head(input_ids, positions, torch.zeros(input_ids.shape[0], self.head.hidden_size,
                                                         dtype=self.head.fc.params_dtype, device=input_ids.device))
 
-    def setup_graphs(self, *args, **kwargs) -> None:
-        """The head's proposal forwards run eagerly (its layer halves compiled); no graphs yet."""
+    def setup_graphs(self, sizes: list[int], max_model_len: int, pool=None, stream=None,
+                     use_graphs: bool = True) -> None:
+        """Graphs of the proposal forwards (use_graphs=False: the same buffers run eagerly, tests)."""
+        self.graphs = HeadGraphs(self.head, self.backend, sizes, self.max_blocks_per_seq, max_model_len,
+                                 self.num_kv_heads, self.device, use_graphs=use_graphs)
+        if use_graphs:
+            self.graphs.capture(pool, stream)
 
     def propose(self, ib: InputBatch, states) -> dict[str, list[int]]:
         return {}  # drafts come from fill_and_propose, once the step's head inputs are complete
@@ -189,8 +222,8 @@ class EagleProposer(DraftModelProposer):
         meta_s.max_num_logprobs = None
         to_target = self.head.draft_to_target
         out, qs = [], []
+        logits = self.head.compute_logits(x)
         for j in range(k):
-            logits = self.head.compute_logits(x)
             if meta_s.all_greedy:
                 tokens = logits.argmax(dim=-1)
                 if to_target is not None:
@@ -211,8 +244,12 @@ class EagleProposer(DraftModelProposer):
                 break
             meta, _ = _metadata(tables, P + j, np.ones(S, dtype=np.int64), limits, bs, dev)
             positions = torch.from_numpy(np.minimum(P + j, ib.token_ids.shape[1] - 2)).to(dev)
-            with forward_context(ForwardContext(meta, self.backend)):
-                x, feature = self.head(tokens, positions, feature)
+            if self.graphs is not None and self.graphs.padded_size(S) is not None:
+                logits, feature = self.graphs.run_head(S, tokens, positions, meta, feature)
+            else:
+                with forward_context(ForwardContext(meta, self.backend)):
+                    x, feature = self.head(tokens, positions, feature)
+                logits = self.head.compute_logits(x)
         drafts = torch.stack(out, 1).tolist()
         if qs:
             q_all = torch.stack(qs, 1)  # [S, k, V]

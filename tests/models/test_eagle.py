@@ -235,6 +235,7 @@ def _graph_paths(llm) -> None:
                             features=r.drafter.graph_features)
     r.piecewise = PiecewiseGraphs(r.model, [16, 32, 64, 128], r.device, use_graphs=False,
                                   aux_layers=r.drafter.aux_layers)
+    r.drafter.setup_graphs([2, 4], TINY["max_model_len"], use_graphs=False)  # the head's proposal forwards
 
 
 @pytest.mark.parametrize("variant", ["plain", "oracle", "async_preempt", "graphs"])
@@ -269,6 +270,7 @@ def test_greedy_equals_speculation_off_and_drafts_equal_the_reference(target_dir
     if variant == "graphs":
         paths = llm.engine.core.executor.runner.steps_by_path
         assert paths["decode_graph"] > 5 and paths["piecewise"] > 5 and paths["eager"] == 0, paths
+        assert llm.engine.core.executor.runner.drafter.graphs.logits is not None  # the head's graphs ran
     assert llm.engine.kv_manager.pool.is_whole()
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     t = head_tensors(method, 7, draft_ids(7) if method == "eagle3" else None)
