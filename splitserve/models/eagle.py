@@ -8,7 +8,8 @@ output back as the feature of position p + 1.
 - EAGLE (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B): `fc` [H, 2H] (+ bias) over concat(embedding,
   feature), where the feature is the target's final (normed) hidden state; `layers.0.*` a Llama layer
   whose input norm is absent (identity); no final norm; the logits are the *target's* LM head over
-  the layer's output (hidden + residual). `embed_tokens` is optional (the target's otherwise).
+  the layer's output (hidden + residual). `embed_tokens` and `lm_head` (a copy of the target's, as
+  vLLM's conversion adds it) are optional.
 - EAGLE-3 (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): `fc` [H, nH] (n = 3) maps the concat of the
   streams entering n target layers (default 2, L // 2, L - 3 of L layers, as the EAGLE-3 authors
   train them; config key `eagle_aux_hidden_state_layer_ids` overrides) to H, once, for the target's
@@ -144,10 +145,11 @@ def inspect_head(directory: str, method: str, target_config) -> HeadInfo:
     missing = [t for t in required if t not in shapes]
     if missing:
         raise ValueError(f"{where}: missing tensors {missing}")
+    # (vLLM's conversion script adds the target's lm_head to EAGLE heads: taken as the head's own)
     allowed = set(required) | {prefix + t for t in _OPTIONAL_LAYER} | {
-        "fc.bias", "embed_tokens.weight", prefix + "input_layernorm.weight"}
+        "fc.bias", "embed_tokens.weight", prefix + "input_layernorm.weight", "lm_head.weight"}
     if method == "eagle3":
-        allowed |= {"lm_head.weight", "d2t", "t2d"}
+        allowed |= {"d2t", "t2d"}
     extra = sorted(k for k in shapes if k not in allowed and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(f"{where}: unexpected tensors {extra[:8]} (a head with more than one layer, or another "
@@ -157,6 +159,8 @@ def inspect_head(directory: str, method: str, target_config) -> HeadInfo:
         raise ValueError(f"{where}: embed_tokens {shapes['embed_tokens.weight']} does not match the target's "
                          f"vocabulary x hidden ({V}, {H})")
     draft_vocab = V
+    if method == "eagle" and shapes.get("lm_head.weight", (V, H)) != (V, H):
+        raise ValueError(f"{where}: lm_head {shapes['lm_head.weight']} is not the target's [{V}, {H}]")
     if method == "eagle3":
         draft_vocab = raw.get("draft_vocab_size") or V
         head = shapes.get("lm_head.weight")
@@ -311,9 +315,10 @@ def _expected_names(head: EagleHead):
     names += ["fc.bias"] * info.fc_bias + ["embed_tokens.weight"] * info.has_embed
     if head.eagle3:
         names += [p + "input_layernorm.weight", p + "hidden_norm.weight", "norm.weight"]
-        names += ["lm_head.weight"] * info.has_lm_head + ["d2t"] * info.has_d2t
+        names += ["d2t"] * info.has_d2t
     elif info.input_norm:
         names.append(p + "input_layernorm.weight")
+    names += ["lm_head.weight"] * info.has_lm_head
     return [(n, None) for n in names]
 
 

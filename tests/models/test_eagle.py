@@ -170,7 +170,7 @@ def reference_drafts(hf, t: dict, method: str, seq: list[int], k: int) -> list[i
         else:
             L = LAYERS
             feats = torch.cat([hs[i][0, :-1] for i in (2, L // 2, L - 3)], -1)
-        embed, lm_head = hf.model.embed_tokens.weight, hf.lm_head.weight
+        embed, lm_head = t.get("embed_tokens.weight", hf.model.embed_tokens.weight), hf.lm_head.weight
         tokens = list(seq[1:])
         d2t = t.get("d2t")
         drafts = []
@@ -344,3 +344,23 @@ def test_bad_head_directories_fail_at_start_up(target_dir, tmp_path, case):
     save_file(tensors, w_path)
     with pytest.raises(ValueError, match=expect):
         LLM(target_dir, speculative_config=_spec(method, path), **TINY)
+
+
+def test_eagle_head_with_its_own_embedding_and_lm_head(target_dir, tmp_path, off):
+    """An EAGLE head in safetensors with embed_tokens and lm_head (as vLLM's conversion writes it:
+    the target's LM head copied in): loaded as the head's own; greedy and drafts as the reference."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    path = write_head(tmp_path / "head", "eagle", seed=9, fmt="safetensors", embed=True)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["lm_head.weight"] = hf.lm_head.weight.detach().clone()
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    llm = LLM(target_dir, speculative_config=_spec("eagle", path), **TINY)
+    assert llm.engine.core.executor.runner.drafter.head.embed_tokens is not None
+    log = _record_proposals(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == off[:2]
+    t = head_tensors("eagle", 9, embed=True)
+    for seq, drafts in log[:: max(1, len(log) // 6)]:
+        assert drafts == reference_drafts(hf, t, "eagle", seq, K), seq
