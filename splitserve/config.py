@@ -214,10 +214,9 @@ class SpeculativeConfig:
     # No drafts in a step whose running batch has at least this many sequences (speculation costs
     # more than it saves on a loaded server). None: always speculate.
     disable_by_batch_size: int | None = None
-    # Filled by the config builder for draft_model: the draft's loading.resolve.ModelSource and config
-    # (eagle / eagle3: the head's source and its models.eagle.HeadInfo).
+    # Filled by the config builder for draft_model: the draft's loading.resolve.ModelSource and config.
     draft_source: Any = None
-    draft_hf_config: Any = None
+    draft_hf_config: Any = None  # (eagle / eagle3: the head's models.eagle.HeadInfo)
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,

@@ -96,16 +96,11 @@ def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         raise ValueError("speculative_config: speculative decoding runs with one rank only for now "
                          "(tensor_parallel_size = pipeline_parallel_size = 1)")
-    if spec.method == "ngram":
+    if spec.method != "draft_model":
         return spec
     from dataclasses import replace
 
     from splitserve.loading.resolve import resolve_model
-    if spec.method in ("eagle", "eagle3"):  # the head's config and tensor shapes checked against the target's
-        from splitserve.models.eagle import inspect_head
-        path = os.path.expanduser(spec.model)  # a local folder, else a hub id in the local cache
-        directory = path if os.path.isdir(path) else resolve_model(spec.model).directory
-        return replace(spec, draft_hf_config=inspect_head(directory, spec.method, hf_config))
     from splitserve.models.loader import load_hf_config
     source = resolve_model(spec.model)
     draft = load_hf_config(source)
@@ -117,6 +112,20 @@ def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig
         raise ValueError(f"speculative_config: the draft model's context ({context}) is shorter than max_model_len "
                          f"({max_model_len})")
     return replace(spec, draft_source=source, draft_hf_config=draft)
+
+
+def with_eagle_head(spec: SpeculativeConfig | None, hf_config) -> SpeculativeConfig | None:
+    """eagle / eagle3: the head directory's config and tensor shapes checked against the target's
+    (models/eagle.inspect_head), kept as the section's draft_hf_config."""
+    if spec is None or spec.method not in ("eagle", "eagle3"):
+        return spec
+    from dataclasses import replace
+
+    from splitserve.loading.resolve import resolve_model
+    from splitserve.models.eagle import inspect_head
+    path = os.path.expanduser(spec.model)  # a local folder, else a hub id in the local cache
+    directory = path if os.path.isdir(path) else resolve_model(spec.model).directory
+    return replace(spec, draft_hf_config=inspect_head(directory, spec.method, hf_config))
 
 
 def build_engine_config(args) -> EngineConfig:
@@ -169,7 +178,7 @@ def build_engine_config(args) -> EngineConfig:
         load=LoadConfig(source, tokenizer_source, args.random_weights),
         lora=lora_config(args), onnx=onnx,
         kv_transfer=kv_transfer_config(args, args.world_size),
-        speculative=speculative_config(args, hf_config, max_model_len),
+        speculative=with_eagle_head(speculative_config(args, hf_config, max_model_len), hf_config),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),
