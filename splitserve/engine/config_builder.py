@@ -87,7 +87,7 @@ def kv_transfer_config(args, world_size: int):
     return kv
 
 
-def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
+def speculative_options(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
     """The speculative-decoding section: the options checked, a draft model's config read (not its
     weights) and checked against the target's vocabulary."""
     if args.speculative_config is None:
@@ -114,9 +114,11 @@ def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig
     return replace(spec, draft_source=source, draft_hf_config=draft)
 
 
-def with_eagle_head(spec: SpeculativeConfig | None, hf_config) -> SpeculativeConfig | None:
-    """eagle / eagle3: the head directory's config and tensor shapes checked against the target's
-    (models/eagle.inspect_head), kept as the section's draft_hf_config."""
+def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
+    """The speculative-decoding section (`speculative_options`); for eagle / eagle3 the head
+    directory's config and tensor shapes checked against the target's (models/eagle.inspect_head),
+    kept as the section's draft_hf_config."""
+    spec = speculative_options(args, hf_config, max_model_len)
     if spec is None or spec.method not in ("eagle", "eagle3"):
         return spec
     from dataclasses import replace
@@ -178,7 +180,7 @@ def build_engine_config(args) -> EngineConfig:
         load=LoadConfig(source, tokenizer_source, args.random_weights),
         lora=lora_config(args), onnx=onnx,
         kv_transfer=kv_transfer_config(args, args.world_size),
-        speculative=with_eagle_head(speculative_config(args, hf_config, max_model_len), hf_config),
+        speculative=speculative_config(args, hf_config, max_model_len),
         structured_outputs_fill=args.structured_outputs_fill,
         seed=args.seed, async_scheduling=args.async_scheduling,
         served_model_names=tuple(args.served_model_name or (source.name,)),
