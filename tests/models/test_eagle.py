@@ -220,6 +220,16 @@ def _record_proposals(llm, oracle: dict | None = None):
     return log
 
 
+def _spec(method, path, **kw) -> dict:
+    """The speculative config; an adaptive draft count (where the engine has one) is off: these tests
+    check the head's machinery at every step, whatever it accepts."""
+    from splitserve.config import _SPECULATIVE_KEYS
+    cfg = {"method": method, "model": str(path), "num_speculative_tokens": K, **kw}
+    if "adaptive" in _SPECULATIVE_KEYS:
+        cfg["adaptive"] = False
+    return cfg
+
+
 def _acceptance(llm) -> tuple[int, int]:
     s = llm.engine.core.scheduler
     return s.spec_num_draft_tokens, s.spec_num_accepted_tokens
@@ -246,7 +256,7 @@ def test_greedy_equals_speculation_off_and_drafts_equal_the_reference(target_dir
     if variant == "async_preempt":  # a pool small enough for preemptions (the head's cache refilled)
         del kw["cpu_kv_cache_gib"]
         kw.update(async_scheduling=True, num_blocks=7, block_size=8, max_num_batched_tokens=10)  # chunked prompts
-    spec = {"method": method, "model": heads[method], "num_speculative_tokens": K}
+    spec = _spec(method, heads[method])
     params, want = GREEDY, off
     if variant == "graphs":  # 4 running: no drafts (pure decode steps, decode graphs); 2 left: drafts
         spec["disable_by_batch_size"] = 3
@@ -281,8 +291,7 @@ def test_greedy_equals_speculation_off_and_drafts_equal_the_reference(target_dir
 def test_sampling_with_the_mapped_draft_vocabulary(target_dir, heads):
     """Temperature 1 with an EAGLE-3 head: each sampled draft has q > 0 in q's row (q over the
     target's vocabulary, zero outside the draft vocabulary), rows sum to 1, and outputs are whole."""
-    llm = LLM(target_dir, speculative_config={"method": "eagle3", "model": heads["eagle3"],
-                                              "num_speculative_tokens": K}, **TINY)
+    llm = LLM(target_dir, speculative_config=_spec("eagle3", heads["eagle3"]), **TINY)
     drafter = llm.engine.core.executor.runner.drafter
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[torch.from_numpy(draft_ids(7))] = False
@@ -306,8 +315,6 @@ def test_sampling_with_the_mapped_draft_vocabulary(target_dir, heads):
     assert llm.engine.kv_manager.pool.is_whole()
 
 
-def _spec(method, path):
-    return {"method": method, "model": str(path), "num_speculative_tokens": K}
 
 
 @pytest.mark.parametrize("case", ["no_config", "wrong_method", "hidden", "extra_tensor", "missing_tensor", "no_d2t",
