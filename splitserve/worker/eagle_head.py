@@ -19,8 +19,8 @@ Per step:
   with another next token, which costs acceptance, never correctness).
 - Proposing: the fill's output at a sequence's last verified position gives draft 1; k - 1 one-token
   forwards at positions P .. P + k - 2 (P: the last known token's) feed back the head's own output as
-  the feature and give drafts 2..k (on CUDA replaying decode graphs of their own, `HeadGraphs`). Those writes land in the request's k lookahead slots and are
-  rewritten by the next fill. Greedy drafts are the argmax; a sampled request's come from q, the
+  the feature and give drafts 2..k (on CUDA replaying decode graphs of their own, `HeadGraphs`).
+  Those writes land in the request's k lookahead slots and are rewritten by the next fill. Greedy drafts are the argmax; a sampled request's come from q, the
   head's distribution under the request's sampling parameters, mapped from the draft vocabulary to
   the target's (zero elsewhere), kept for the exact verification (`draft_probs`, inherited).
 """
@@ -108,7 +108,6 @@ class EagleProposer(DraftModelProposer):
         self.head, self.vocab_size = head, vocab_size
         self.aux_layers = head.info.aux_layers if head.eagle3 else ()
         self._features: torch.Tensor | None = None
-        self.num_fill_tokens = 0  # head tokens run by fills (tests, benchmarks)
 
     # -- the target's side -----------------------------------------------------------------------------
     def target_forward(self, model, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -198,7 +197,6 @@ class EagleProposer(DraftModelProposer):
         feats = inp.features[torch.from_numpy(flat).to(dev)]
         with forward_context(ForwardContext(meta, self.backend)):
             out, fed_back = self.head(torch.from_numpy(tokens).to(dev), torch.from_numpy(pos).to(dev), feats)
-        self.num_fill_tokens += len(pos)
         if not propose:
             return {}
         last = {inp.states[i].req_id: int(e) - 1 for i, e in zip(sel, np.cumsum(n_a))}

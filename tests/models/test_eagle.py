@@ -56,7 +56,8 @@ def head_tensors(method: str, seed: int, draft_ids: np.ndarray | None = None, em
     hd = H // HEADS
     attn_in = H if method == "eagle" else 2 * H
     p = "layers.0." if method == "eagle" else "midlayer."
-    t = {p + "self_attn.q_proj.weight": r(HEADS * hd, attn_in), p + "self_attn.k_proj.weight": r(KV_HEADS * hd, attn_in),
+    t = {p + "self_attn.q_proj.weight": r(HEADS * hd, attn_in),
+         p + "self_attn.k_proj.weight": r(KV_HEADS * hd, attn_in),
          p + "self_attn.v_proj.weight": r(KV_HEADS * hd, attn_in), p + "self_attn.o_proj.weight": r(H, HEADS * hd),
          p + "mlp.gate_proj.weight": r(INTER, H), p + "mlp.up_proj.weight": r(INTER, H),
          p + "mlp.down_proj.weight": r(H, INTER), p + "post_attention_layernorm.weight": 1 + r(H, scale=0.2)}
