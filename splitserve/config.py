@@ -198,7 +198,7 @@ class LoRAConfig:
                  f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's keys of --speculative-config that splitserve reads; any other key is an error at start-up.
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
                      "draft_tensor_parallel_size", "disable_by_batch_size")
@@ -213,14 +213,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched against the earlier context
     prompt_lookup_max: int = 3  # ngram: longest suffix tried first
-    model: str | None = None    # draft_model: its checkpoint (shares the target's tokenizer)
+    model: str | None = None    # draft_model: its checkpoint (shares the target's tokenizer); eagle/eagle3: the head's
     draft_tensor_parallel_size: int = 1
     # No drafts in a step whose running batch has at least this many sequences (speculation costs
     # more than it saves on a loaded server). None: always speculate.
     disable_by_batch_size: int | None = None
     # Filled by the config builder for draft_model: the draft's loading.resolve.ModelSource and config.
     draft_source: Any = None
-    draft_hf_config: Any = None
+    draft_hf_config: Any = None  # (eagle / eagle3: the head's models.eagle.HeadInfo)
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,
@@ -261,8 +261,8 @@ class SpeculativeConfig:
     @property
     def lookahead_slots(self) -> int:
         """KV slots a speculating request holds beyond its verified tokens: a draft model writes its
-        drafts' K/V there at the end of the verify step. N-gram drafts need none."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        drafts' K/V there at the end of the verify step (an EAGLE head too). N-gram drafts need none."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
 
 
 STRUCTURED_OUTPUT_FILLS = ("process", "inline")

@@ -112,7 +112,9 @@ class EngineArgs(CliOptions):
     speculative_config: str | None = option(
         None, metavar="JSON", default_text="none: no speculative decoding",
         help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-             "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 3}' (drafts copied from earlier context) or "
+             "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 3}' (drafts copied from earlier context), "
+             "'{\"method\": \"eagle3\", \"model\": HEAD_DIR, ...}' (an EAGLE-3 head in the public layout; "
+             "\"eagle\" for EAGLE-1 heads) or "
              "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' (a small model "
              "with the same tokenizer); optional \"disable_by_batch_size\": no drafts in steps with that many "
              "running sequences. LLM() also takes a dict")

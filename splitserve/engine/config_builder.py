@@ -87,7 +87,7 @@ def kv_transfer_config(args, world_size: int):
     return kv
 
 
-def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
+def speculative_options(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
     """The speculative-decoding section: the options checked, a draft model's config read (not its
     weights) and checked against the target's vocabulary."""
     if args.speculative_config is None:
@@ -112,6 +112,22 @@ def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig
         raise ValueError(f"speculative_config: the draft model's context ({context}) is shorter than max_model_len "
                          f"({max_model_len})")
     return replace(spec, draft_source=source, draft_hf_config=draft)
+
+
+def speculative_config(args, hf_config, max_model_len: int) -> SpeculativeConfig | None:
+    """The speculative-decoding section (`speculative_options`); for eagle / eagle3 the head
+    directory's config and tensor shapes checked against the target's (models/eagle.inspect_head),
+    kept as the section's draft_hf_config."""
+    spec = speculative_options(args, hf_config, max_model_len)
+    if spec is None or spec.method not in ("eagle", "eagle3"):
+        return spec
+    from dataclasses import replace
+
+    from splitserve.loading.resolve import resolve_model
+    from splitserve.models.eagle import inspect_head
+    path = os.path.expanduser(spec.model)  # a local folder, else a hub id in the local cache
+    directory = path if os.path.isdir(path) else resolve_model(spec.model).directory
+    return replace(spec, draft_hf_config=inspect_head(directory, spec.method, hf_config))
 
 
 def build_engine_config(args) -> EngineConfig:

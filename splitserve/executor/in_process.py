@@ -56,6 +56,10 @@ class InProcessExecutor:
                 if spec is not None and spec.method == "draft_model":  # a second model in this worker
                     _, draft = load_model(spec.draft_source, spec.draft_hf_config, m.dtype, device,
                                           config.load.random_weights, None, m.max_model_len)
+                elif spec is not None and spec.method in ("eagle", "eagle3"):  # a head over the target's features
+                    from splitserve.models.eagle import build_head
+                    draft = build_head(spec.draft_hf_config, model, m.dtype, device, m.max_model_len,
+                                       config.load.random_weights)
                 self.runner = ModelRunner(config, model, lora_worker, draft)
             self.num_blocks = self.runner.determine_num_blocks()
             self.runner.allocate_kv_cache(self.num_blocks)

@@ -48,8 +48,12 @@ class DecodeGraphs:
 
     def __init__(self, model, backend: AttentionBackend, sizes: list[int], max_blocks_per_seq: int,
                  max_model_len: int, num_kv_heads: int, device: torch.device, use_graphs: bool = True,
-                 lora_state=None, cross_blocks: int = 0, block_size: int = 0):
+                 lora_state=None, cross_blocks: int = 0, block_size: int = 0, features=None):
+        """features: (model, input_ids, positions) -> (final hidden states, [T, F] features) run
+        instead of the model (an EAGLE head's inputs, worker/eagle_head.py); the graphs then also
+        write the features into `self.features`."""
         self.model = model
+        self.features_fn, self.features = features, None
         self.backend = backend
         self.use_graphs = use_graphs
         self.lora_state = lora_state
@@ -77,7 +81,13 @@ class DecodeGraphs:
             meta.cross = self.backend.capture_cross_metadata(self.cross_state, bs)
         ctx = ForwardContext(meta, self.backend)
         with forward_context(ctx):
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+            if self.features_fn is None:
+                hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+            else:
+                hidden, features = self.features_fn(self.model, self.input_ids[:bs], self.positions[:bs])
+                if self.features is None:
+                    self.features = features.new_empty(self.max_size, features.shape[1])
+                self.features[:bs].copy_(features)
         if self.logits is None:  # the first (warm-up, uncaptured) run: learn the vocabulary size
             logits = self.model.compute_logits(hidden)
             self.logits = torch.empty(self.max_size, logits.shape[1], dtype=logits.dtype, device=logits.device)
@@ -146,8 +156,13 @@ class PiecewiseGraphs:
     With use_graphs=False the same segments run eagerly on the same buffers (CPU tests of the
     plumbing: padding, buffer slicing, segment order)."""
 
-    def __init__(self, model, sizes: list[int], device: torch.device, use_graphs: bool = True, lora_state=None):
+    def __init__(self, model, sizes: list[int], device: torch.device, use_graphs: bool = True, lora_state=None,
+                 aux_layers: tuple[int, ...] = ()):
+        """aux_layers: layers whose input stream (x + residual) the segments also copy into static
+        buffers (EAGLE-3's features, `aux_features`)."""
         self.model = model
+        self.aux_layers = tuple(aux_layers)
+        self.aux_index = {layer: i for i, layer in enumerate(sorted(set(aux_layers)))}
         self.lora_state = lora_state  # captured with the LoRA delta when given
         self.layers = list(model.layers)
         self.sizes = sorted(sizes)
@@ -165,6 +180,7 @@ class PiecewiseGraphs:
             self.k = torch.zeros(n, kv_size, dtype=dtype, device=dev)
             self.v = torch.zeros(n, kv_size, dtype=dtype, device=dev)
             self.attn_out = torch.zeros(n, q_size, dtype=dtype, device=dev)
+            self.aux = [torch.zeros(n, attn.o_proj.out_features, dtype=dtype, device=dev) for _ in self.aux_index]
             if self.accepts_embeds:
                 self.embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -188,6 +204,8 @@ class PiecewiseGraphs:
         if j == len(self.layers):
             return self.model.norm(x, residual)[0]
         q, k, v, residual = self.layers[j].attn_inputs(x, residual)
+        if j in self.aux_index:  # the stream entering layer j
+            self.aux[self.aux_index[j]][:n].copy_(residual)
         self.q[:n].copy_(q)
         self.k[:n].copy_(k)
         self.v[:n].copy_(v)
@@ -253,3 +271,9 @@ class PiecewiseGraphs:
                 else:
                     residual = self._segment(j, n, residual, from_embeds and j == 0)
         return (self.hidden[n] if self.use_graphs else residual)[:T]
+
+    def aux_features(self, T: int) -> torch.Tensor | None:
+        """The last run's streams entering aux_layers, concatenated [T, len * hidden] (None: none)."""
+        if not self.aux_layers:
+            return None
+        return torch.cat([self.aux[self.aux_index[i]][:T] for i in self.aux_layers], dim=-1)

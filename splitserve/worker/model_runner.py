@@ -30,6 +30,7 @@ from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_promp
 from splitserve.worker.sampling_metadata import build_sampling_metadata
 from splitserve.worker.spec_decode import (NgramProposer, collect_verified, expand_metadata, propose_drafts,
                                           write_drafts)
+from splitserve.worker.warm_up import warm_up_batch, warm_up_layouts  # noqa: F401 (also imported from here)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class InFlightStep:
     verify: VerifyLayout | None = None
     drafts: list[list[int]] | None = None
     propose: bool = False  # drafts are proposed from its tokens at collect
+    eagle: object = None  # worker.eagle_head.EagleStep: the target's features for the head, filled at collect
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -100,37 +102,6 @@ def supports_piecewise(model: torch.nn.Module) -> bool:
     """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm
     (models/interfaces.SupportsPiecewise, checked once per model)."""
     return capabilities_of(model).piecewise
-
-
-def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
-    """(sequences, query tokens each, context tokens each) of the start-up warm-up steps: every query
-    length class of the attention kernel (powers of two up to its largest query block) and a long
-    prefill, each fresh and with context before it (prefix hits, later chunks, decode rows in a mixed
-    step), which picks other K/V tiles. No step of a single token: Inductor would specialise on it.
-    tests/worker/test_warm_up.py checks they reach every kernel variant a step can pick."""
-    layouts = []
-    for q_len in sorted({1, 2, 4, 8, 16, 32, 64, min(budget, 512)}):
-        num_seqs = max(1, min(budget, 256) // q_len) if q_len < 16 else 1
-        if q_len <= budget and num_seqs * q_len > 1:
-            layouts += [(num_seqs, q_len, 0), (num_seqs, q_len, block_size)]
-    return layouts
-
-
-def warm_up_batch(num_seqs: int, q_len: int, context: int, block_size: int,
-                  device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata and positions of one warm-up step: num_seqs sequences of q_len new tokens after
-    `context` tokens each. Slots are -1 (nothing is stored); every block table points at block 0."""
-    total, seq_len = num_seqs * q_len, q_len + context
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((total,), -1, dtype=torch.long, device=device),
-        query_start_loc=torch.arange(0, total + 1, q_len, dtype=torch.int32, device=device),
-        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(num_seqs, -(-seq_len // block_size), dtype=torch.int32, device=device),
-        max_query_len=q_len, max_seq_len=seq_len,
-        query_start_loc_cpu=torch.arange(0, total + 1, q_len, dtype=torch.int32),
-        seq_lens_cpu=torch.full((num_seqs,), seq_len, dtype=torch.int32))
-    positions = context + torch.arange(total, device=device) % q_len
-    return meta, positions
 
 
 @dataclass
@@ -217,7 +188,11 @@ class ModelRunner:
             if self.mm is not None or self.encdec is not None:
                 raise ValueError("speculative_config: a draft model serves text decoder models only")
             from splitserve.worker.draft_model import DraftModelProposer
-            self.drafter = DraftModelProposer(draft_model, self.spec.draft_hf_config, self.spec.num_speculative_tokens,
+            from splitserve.worker.eagle_head import EagleProposer
+            self.drafter = EagleProposer(draft_model, self.spec.num_speculative_tokens, self.block_size,
+                                         self.max_blocks_per_seq, self.backend, self.kv_cache_dtype, self.device,
+                                         config.model.vocab_size) if self.spec.method.startswith("eagle") else \
+                DraftModelProposer(draft_model, self.spec.draft_hf_config, self.spec.num_speculative_tokens,
                                               self.block_size, self.max_blocks_per_seq, self.backend,
                                               self.kv_cache_dtype, self.device)
 
@@ -296,7 +271,8 @@ class ModelRunner:
         cross_blocks = 0 if self.encdec is None else self.encdec.cross_table.shape[1]
         self.graphs = DecodeGraphs(self.model, self.backend, sizes, self.max_blocks_per_seq, m.max_model_len,
                                    self.kv_layout()[1], self.device, lora_state=lora_state,
-                                   cross_blocks=cross_blocks, block_size=self.block_size)
+                                   cross_blocks=cross_blocks, block_size=self.block_size,
+                                   features=getattr(self.drafter, "graph_features", None))
         if self.encdec is None:
             self._warm_up_eager()
         logger.info("compiled and warmed up in %.1f s", time.perf_counter() - start)
@@ -309,7 +285,8 @@ class ModelRunner:
         budget = self.config.scheduler.max_num_batched_tokens
         piecewise_sizes = [n for n in self.config.compile.piecewise_token_sizes if n <= budget]
         if piecewise_sizes and self.encdec is None and supports_piecewise(self.model):
-            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state)
+            self.piecewise = PiecewiseGraphs(self.model, piecewise_sizes, self.device, lora_state=lora_state,
+                                             aux_layers=getattr(self.drafter, "aux_layers", ()))
             self.piecewise.capture(pool, stream)
         logger.info("fast path ready in %.1f s", time.perf_counter() - start)
 
@@ -473,24 +450,33 @@ class ModelRunner:
         # Graphs hold the LoRA delta (its layout is in static buffers, written by prepare); decode
         # graphs also exist without it, for steps where no token has an adapter.
         lora = self.lora is not None and self.lora.active
+        eagle = getattr(self.drafter, "uses_target_hidden", False)  # an EAGLE head keeps the target's features
         if (self.graphs is not None and meta.is_pure_decode and batch.inputs_embeds is None
                 and batch.prompt_logprobs is None
                 and batch.input_ids.shape[0] == num_seqs
                 and len(batch.sample_requests) == num_seqs and self.graphs.padded_size(num_seqs) is not None):
             self.steps_by_path["decode_graph"] += 1
-            return self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta, lora)
-        ctx = ForwardContext(meta, self.backend)
+            logits = self.graphs.run(num_seqs, batch.input_ids, batch.positions, meta, lora)
+            if eagle:
+                self.drafter.saw(None, self.graphs.features[:num_seqs])
+            return logits
+        ctx, features = ForwardContext(meta, self.backend), None
         if (self.piecewise is not None and (batch.inputs_embeds is None or self.piecewise.accepts_embeds)
                 and self.piecewise.padded_size(batch.input_ids.shape[0]) is not None):
             self.steps_by_path["piecewise"] += 1
             hidden = self.piecewise.run(batch.input_ids, batch.positions, ctx, batch.inputs_embeds)
+            features = self.piecewise.aux_features(hidden.shape[0])
         else:
             self.steps_by_path["eager"] += 1
             with forward_context(ctx):
-                if batch.inputs_embeds is None:
+                if eagle:
+                    hidden = self.drafter.target_forward(self.model, batch.input_ids, batch.positions)
+                elif batch.inputs_embeds is None:
                     hidden = self.model(batch.input_ids, batch.positions)
                 else:
                     hidden = self.model(batch.input_ids, batch.positions, batch.inputs_embeds)
+        if eagle:
+            self.drafter.saw(hidden, features)
         if batch.prompt_logprobs is not None:
             batch.prompt_logprobs_out = compute_prompt_logprobs(self.model, hidden, batch.prompt_logprobs,
                                                                 self.config.model.vocab_size)
@@ -512,7 +498,9 @@ class ModelRunner:
         step = InFlightStep(sched, batch.sample_requests, step_no, verify=batch.verify, drafts=batch.drafts,
                             propose=self._proposes(batch))
         logits = self._forward_logits(batch)
-        if self.drafter is not None:  # its cache follows the target's
+        if getattr(self.drafter, "uses_target_hidden", False):  # an EAGLE head: its cache is filled at collect
+            step.eagle = self.drafter.keep(self.input_batch, sched, batch)
+        elif self.drafter is not None:  # its cache follows the target's
             self.drafter.run_step(batch.input_ids, batch.positions, batch.meta)
         if self.mm is not None:  # images of waiting requests, encoded beside this step's forward
             self.mm.prefetch(sched)
@@ -576,6 +564,14 @@ class ModelRunner:
     def collect(self, step: InFlightStep) -> StepResult:
         """Waits for a launched step, records its sampled tokens in the persistent batch and returns
         them (and logprobs) by request id."""
+        result = self._collect(step)
+        if step.eagle is not None:  # the head's cache over the verified positions, then its drafts
+            drafts = self.drafter.fill_and_propose(self.input_batch, step, step.propose)
+            if step.propose:
+                result.draft_token_ids = drafts
+        return result
+
+    def _collect(self, step: InFlightStep) -> StepResult:
         assert step.awaiting_mask is None, "a step collected before its grammar masks were given"
         if step.token_ids is None and step.prompt_logprobs is None:
             return StepResult({}, {})

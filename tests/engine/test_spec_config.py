@@ -12,6 +12,8 @@ def test_parse_json_and_dict():
     b = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5})
     assert a == b and a.prompt_lookup_min == 1 and a.lookahead_slots == 0
     assert SpeculativeConfig.parse({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}).lookahead_slots == 2
+    for method in ("eagle", "eagle3"):  # an EAGLE head writes its drafts' K/V in lookahead slots too
+        assert SpeculativeConfig.parse({"method": method, "model": "x", "num_speculative_tokens": 3}).lookahead_slots == 3
 
 
 @pytest.mark.parametrize("value, message", [
@@ -22,6 +24,7 @@ def test_parse_json_and_dict():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "prompt_lookup_min"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a model"),
+    ('{"method": "eagle3", "num_speculative_tokens": 2}', "needs a model"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}', "disable_by_batch_size"),
     ('not json', "not valid JSON"),
 ])
