@@ -3,7 +3,7 @@
 Off unless `SPLITSERVE_TTFT_LOG=FILE` is set (in the server's environment; the engine core process
 inherits it). Then each streamed request writes one JSON line to FILE when its first token event has
 been sent to the client; `benchmarks/ttft_breakdown.py` summarizes a log (the slowest 1% and where
-their time went). Off, the only cost is one `is None` test per step and per first token.
+their time went). Off, the only cost is an `is None` test per step and per output.
 
 The timestamps are `time.monotonic()` (one system-wide clock, so the front's and the core's process
 compare directly), gathered where the request passes:
