@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 COMPONENTS = ("front", "to_core", "wait", "schedule", "ahead", "prefill", "gaps", "core_out", "to_front", "output")
-EXTRA = ("chunks", "gc_core", "gc_front", "compile_core")
+EXTRA = ("chunks", "gc_core", "gc_front", "compile_core", "alloc_retries")
 
 
 def read(path: str, lines: str | None = None) -> list[dict]:
@@ -39,7 +39,7 @@ def band(rows: list[dict], lo: float, hi: float) -> list[dict]:
 
 
 def mean_of(rows: list[dict]) -> dict:
-    out = {k: float(np.mean([r[k] for r in rows])) for k in ("total",) + COMPONENTS + EXTRA}
+    out = {k: float(np.mean([r.get(k, 0) for r in rows])) for k in ("total",) + COMPONENTS + EXTRA}
     out["step_tokens_max"] = float(np.mean([max(r["step_tokens"], default=0) for r in rows]))
     out["step_ms_max"] = float(np.mean([max(r["step_ms"], default=0.0) for r in rows]))
     out["n"] = len(rows)
@@ -70,7 +70,7 @@ def print_summary(s: dict, title: str = "") -> None:
         b = s[key]
         print(f"  {name}: chunks {b['chunks']:.1f}, largest step {b['step_tokens_max']:.0f} tokens / "
               f"{b['step_ms_max']:.1f} ms, GC core {b['gc_core']:.1f} ms, GC front {b['gc_front']:.1f} ms, "
-              f"kernel compiles {b['compile_core']:.1f} ms")
+              f"kernel compiles {b['compile_core']:.1f} ms, allocator retries {b['alloc_retries']:.1f}")
 
 
 def table(runs: list[dict]) -> str:

@@ -19,8 +19,9 @@ compare directly), gathered where the request passes:
     first    its first event has been written to the client
 
 and GC pauses (gc.callbacks) in the core between recv and its first token and in the front between
-handler and first, and Triton kernel compiles in the core meanwhile (each one is also logged: after
-start-up a compile is a stall that a warm-up missed). The components of a line (ms) add up to `total`:
+handler and first, and Triton kernel compiles (each one is also logged: after start-up a compile is
+a stall that a warm-up missed) and CUDA caching-allocator retries (a cudaFree and retry) in the core
+meanwhile. The components of a line (ms) add up to `total`:
 
     front      handler -> arrival: tokenize, template, validation
     to_core    arrival -> recv: IPC, and the step the core was busy with when it came
@@ -121,6 +122,15 @@ def compile_clock() -> float:
     return _compile_total
 
 
+def alloc_retries() -> int:
+    """How often the CUDA caching allocator has had to free its cache and retry a cudaMalloc (a
+    synchronizing stall of the step that asked) in this process; 0 without CUDA."""
+    import torch  # (the core's side only: the front never asks)
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 # -- the core's side --------------------------------------------------------------------------------
 class StepTimes:
     """One launched step's host timestamps, shared by the traces of the requests it ran chunks of."""
@@ -142,7 +152,7 @@ class CoreTracer:
 
     def on_add(self, request) -> None:
         # then one (StepTimes, tokens) per chunk
-        request.ttft_trace = [time.monotonic(), gc_clock(), compile_clock()]
+        request.ttft_trace = [time.monotonic(), gc_clock(), compile_clock(), alloc_retries()]
 
     def on_schedule(self, sched, t_sched: float, requests: dict) -> None:
         """After the schedule: the step's record, and a chunk for each request still in its prompt."""
@@ -175,27 +185,27 @@ class CoreTracer:
     @staticmethod
     def first_token(request) -> list[float] | None:
         """The flat trace that rides the request's first output (EngineCoreOutput.ttft_trace):
-        recv, GC and kernel-compile seconds since recv, then per chunk its step's five times and two
-        token counts."""
+        recv, GC and kernel-compile seconds and allocator retries since recv, then per chunk its
+        step's five times and two token counts."""
         trace = getattr(request, "ttft_trace", None)
         if trace is None:
             return None
         request.ttft_trace = None
-        out = [trace[0], gc_clock() - trace[1], compile_clock() - trace[2]]
-        for st, n in trace[3:]:
+        out = [trace[0], gc_clock() - trace[1], compile_clock() - trace[2], float(alloc_retries() - trace[3])]
+        for st, n in trace[4:]:
             out += [st.t_sched, st.t_sched_end, st.t_launched, st.t_collected, st.device, float(n), float(st.tokens)]
         return out
 
 
 # -- the front's side -------------------------------------------------------------------------------
-_CHUNK = 7
+_HEAD, _CHUNK = 4, 7  # the core's trace: 4 figures, then 7 per chunk (CoreTracer.first_token)
 
 
 def breakdown(handler: float, arrival: float, core: list[float], sent: float, front: float, first: float,
               gc_front: float) -> dict:
     """One request's line: the components (ms, summing to total) and the chunks' figures."""
-    recv, gc_core, compile_core = core[0], core[1], core[2]
-    chunks = [core[i:i + _CHUNK] for i in range(3, len(core), _CHUNK)]
+    recv, gc_core, compile_core, retries = core[0], core[1], core[2], core[3]
+    chunks = [core[i:i + _CHUNK] for i in range(_HEAD, len(core), _CHUNK)]
     ms = 1e3
     d = {"total": (first - handler) * ms, "front": (arrival - handler) * ms, "to_core": (recv - arrival) * ms}
     if chunks:
@@ -213,6 +223,7 @@ def breakdown(handler: float, arrival: float, core: list[float], sent: float, fr
     d["step_tokens"] = [int(c[6]) for c in chunks]
     d["step_ms"] = [round(c[4] * ms, 3) for c in chunks]
     d["gc_core"], d["gc_front"], d["compile_core"] = gc_core * ms, gc_front * ms, compile_core * ms
+    d["alloc_retries"] = int(retries)
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
 
 

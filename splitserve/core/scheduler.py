@@ -3,10 +3,8 @@
 Each step decides one number per request: how many of its not-yet-computed tokens run now. Prefill,
 chunked prefill and decode are the same thing with different counts. Running requests go first (so
 decodes are never starved by new prompts), then waiting ones are admitted while the budget, the
-sequence cap and the KV blocks allow. A prompt still being chunked shares the step (prefill sharing,
-`_reserve`): it leaves a token to each decoding request behind it and room for the short prompts at
-the waiting queue's head, up to half the step. When blocks run out, the most recently admitted
-running request is preempted: its blocks are freed and it is recomputed later from its tokens. Under the priority
+sequence cap and the KV blocks allow. When blocks run out, the most recently admitted running request
+is preempted: its blocks are freed and it is recomputed later from its tokens. Under the priority
 policy (`--scheduling-policy priority`, vLLM's) the waiting queue is ordered by (priority, arrival)
 and the victim is the running request of the largest priority value (the latest among equals), which
 may be one already given tokens in this step: it is taken out of the step again.
@@ -15,6 +13,10 @@ The scheduler owns the `Request` objects; the worker gets a plain-data `Schedule
 (protocol/sched_output.py) and keeps its own persistent batch. `update` resolves a step's results against
 the requests that step ran (kept here by step id), never by id lookup alone: an id can be reused by a
 new request once the old one has finished.
+
+Prefill sharing (`_reserve`): a prompt still being chunked leaves a token to each decoding request
+behind it in the running list and room for the short prompts at the waiting queue's head (whole, in
+order), up to half the step, so they do not wait for its last chunk.
 
 Structured outputs: a constrained request is admitted only once its grammar has compiled (one still
 compiling is passed over, and keeps its place in the queue); each token it samples advances its
@@ -264,7 +266,7 @@ class Scheduler:
         request is passed over); at most half the budget, so a long prompt still runs at least half
         of every step it shares with them."""
         cap = budget // 2
-        reserve, room = 0, self.config.max_num_seqs - len(self.running)
+        reserve, room = 0, min(self.config.max_num_seqs - len(self.running), 64)
         for request in self.waiting:
             need = request.num_tokens - request.num_computed_tokens + request.num_encoder_tokens
             if room <= 0 or reserve + need > cap:

@@ -13,7 +13,7 @@ from tests.core.test_scheduler import make, req, scheduled
 def test_components_of_a_two_chunk_request_add_up():
     # recv at 10; chunk 1: scheduled 11-11.5, launched 12, collected 20 after 6 s on the device (so it
     # started at 14: 2 s behind the step ahead of it); chunk 2: 20-20.5, launched 21, collected 25 (4 s)
-    core = [10.0, 0.25, 0.0,
+    core = [10.0, 0.25, 0.0, 0.0,
             11.0, 11.5, 12.0, 20.0, 6.0, 100.0, 150.0,
             20.0, 20.5, 21.0, 25.0, 4.0, 28.0, 60.0]
     d = breakdown(handler=7.0, arrival=9.0, core=core, sent=25.5, front=26.0, first=27.0, gc_front=0.125)
@@ -44,7 +44,7 @@ def test_core_tracer_records_each_prompt_chunk_once(monkeypatch):
         sched.update(out, {x.request_id: 7 for x in sampling})
     trace = CoreTracer.first_token(r)
     assert r.ttft_trace is None and CoreTracer.first_token(r) is None  # taken once
-    chunks = [trace[i:i + 7] for i in range(3, len(trace), 7)]
+    chunks = [trace[i:i + 7] for i in range(4, len(trace), 7)]
     assert [c[5] for c in chunks] == [16, 16, 8] and all(c[6] == c[5] for c in chunks)
     assert all(c[0] <= c[1] <= c[2] <= c[3] for c in chunks[1:])  # schedule end, launch, collection
     assert not tracer.steps  # every launched step was collected
@@ -65,7 +65,7 @@ def test_front_log_writes_one_line_per_stream(tmp_path):
 
     class Stream:
         request_id, arrival_time = "r1", 1.0
-        ttft = ([1.5, 0.0, 0.0, 2.0, 2.1, 2.2, 3.0, 0.8, 8.0, 8.0], 3.1, 3.2)
+        ttft = ([1.5, 0.0, 0.0, 0.0, 2.0, 2.1, 2.2, 3.0, 0.8, 8.0, 8.0], 3.1, 3.2)
     s = Stream()
     s.ttft_start = (0.5, ttft_trace.gc_clock())
     log.first_event(s)
@@ -75,3 +75,19 @@ def test_front_log_writes_one_line_per_stream(tmp_path):
     d = json.loads(lines[0])
     assert d["id"] == "r1" and d["chunks"] == 1 and d["total"] > 2700  # 0.5 -> now (monotonic, > 3.2)
     assert d["front"] == pytest.approx(500.0) and d["to_core"] == pytest.approx(500.0)
+
+
+def test_kernel_compiles_while_serving_are_timed_and_logged(caplog, monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    ttft_trace.hook_kernel_compiles()
+    assert knobs.runtime.jit_cache_hook is ttft_trace._before_compile
+    before = ttft_trace.compile_clock()
+    # what Triton calls around a compile (runtime/jit.py _do_compile); None: the compile goes ahead
+    assert knobs.runtime.jit_cache_hook(key="k", repr="_some_kernel[num_warps=4](M: i32)", fn=None, compile={},
+                                        is_manual_warmup=False, already_compiled=False) is None
+    knobs.runtime.jit_post_compile_hook(key="k", repr="_some_kernel[num_warps=4](M: i32)", fn=None, compile={},
+                                        is_manual_warmup=False, already_compiled=False)
+    assert ttft_trace.compile_clock() > before
+    assert "compiled while serving" in caplog.text and "_some_kernel" in caplog.text
