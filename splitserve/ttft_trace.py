@@ -18,8 +18,9 @@ compare directly), gathered where the request passes:
     front    the front's loop takes that message in                                        front
     first    its first event has been written to the client
 
-and GC pauses (gc.callbacks) in the core between recv and its first token and in the front between
-handler and first, and Triton kernel compiles (each one is also logged: after start-up a compile is
+and GC pauses (wall time between gc.callbacks' start and stop, GIL waits included; those over 10 ms
+are also logged, with their CPU time) in the core between recv and its first token and in the front
+between handler and first, and Triton kernel compiles (each one is also logged: after start-up a compile is
 a stall that a warm-up missed) and CUDA caching-allocator retries (a cudaFree and retry) in the core
 meanwhile. The components of a line (ms) add up to `total`:
 
@@ -64,16 +65,31 @@ def baseline() -> bool:
 
 # -- GC pauses ------------------------------------------------------------------------------------
 _gc_total = 0.0
-_gc_start = 0.0
+_gc_start = _gc_cpu_start = 0.0
 _gc_hooked = False
+_LONG_GC_S = 0.01
+_long_gcs: list[tuple[int, float, float]] = []  # (generation, wall s, CPU s) of long ones not yet logged
 
 
 def _on_gc(phase: str, info: dict) -> None:
-    global _gc_total, _gc_start
+    # Wall time from the collector's start to its stop callback: the collection, finalizers, and
+    # any wait for the GIL in between (another thread may run then); thread CPU time tells them apart.
+    global _gc_total, _gc_start, _gc_cpu_start
     if phase == "start":
-        _gc_start = time.perf_counter()
+        _gc_start, _gc_cpu_start = time.perf_counter(), time.thread_time()
     else:
-        _gc_total += time.perf_counter() - _gc_start
+        dt = time.perf_counter() - _gc_start
+        _gc_total += dt
+        if dt > _LONG_GC_S and len(_long_gcs) < 100:  # logged later, outside the collector
+            _long_gcs.append((info.get("generation", -1), dt, time.thread_time() - _gc_cpu_start))
+
+
+def log_long_gcs(where: str) -> None:
+    """Logs the GC pauses over 10 ms since the last call (a stall of everything on this process)."""
+    while _long_gcs:
+        gen, dt, cpu = _long_gcs.pop(0)
+        logger.warning("%s: a garbage collection (generation %d) took %.0f ms (%.0f ms of this thread's CPU)",
+                       where, gen, dt * 1e3, cpu * 1e3)
 
 
 def gc_clock() -> float:
@@ -151,6 +167,7 @@ class CoreTracer:
         hook_kernel_compiles()
 
     def on_add(self, request) -> None:
+        log_long_gcs("engine core")
         # then one (StepTimes, tokens) per chunk
         request.ttft_trace = [time.monotonic(), gc_clock(), compile_clock(), alloc_retries()]
 
@@ -244,6 +261,7 @@ class FrontLog:
         if got is None or start is None:
             return
         stream.ttft_start = None  # one line per request
+        log_long_gcs("server front")
         first = time.monotonic()
         core, sent, front = got
         line = breakdown(start[0], stream.arrival_time, core, sent, front, first, gc_clock() - start[1])
