@@ -58,8 +58,10 @@ for variant in $variants; do
       echo "$label|$out/bench_$tag.json|$out/ttft_$tag.json" >>"$runs"
     done
   done
-  echo "--- kernel compiles while serving ($variant):"
-  grep -c "compiled while serving" "$out/server_$variant.log"
+  echo "--- $variant: Triton compiles while serving $(grep -c "compiled while serving" "$out/server_$variant.log"),"\
+       "GC pauses over 10 ms: front $(grep -c "server front: a garbage" "$out/server_$variant.log"),"\
+       "core $(grep -c "engine core: a garbage" "$out/server_$variant.log")"
+  grep -E "compiled while serving|a garbage collection" "$out/server_$variant.log" | tail -n 8
   kill -TERM $server; wait $server
 done
 echo "=== TTFT breakdown: client figures (ms); P99 requests: mean server TTFT of the slowest 1% and its largest parts"

@@ -248,8 +248,9 @@ class FrontLog:
     """The front's writer: one JSON line per streamed request, at its first event."""
 
     def __init__(self, path: str):
-        self.file = open(path, "a", buffering=1)  # line-buffered: one write per request
-        gc_clock()
+        # line-buffered: one write per request. (The GC hook goes in with the first request: start-up's
+        # collections, the server's own gc.collect before its freeze among them, are not serving's.)
+        self.file = open(path, "a", buffering=1)
 
     def start(self) -> tuple[float, float]:
         """The handler's start (and the front's GC clock then), kept on its streams (ttft_start)."""
