@@ -49,9 +49,11 @@ for variant in $variants; do
       tag="${variant}_${rate}_${seed}"
       echo "=== $label: random $in_len/$out_len, $n prompts"
       from=$(wc -l <"$log")
+      # a seed of its own per rate and seed (rate*100 + seed): no run hits another's prompts in the
+      # prefix cache; the same ones per variant (each variant's server starts with an empty cache)
       $py -m splitserve bench serve --base-url http://127.0.0.1:$port $tok --ignore-eos --disable-tqdm \
           --dataset random --random-input-len $in_len --random-output-len $out_len --num-prompts $n \
-          --request-rate $rate --seed $seed --save-result "$out/bench_$tag.json" | grep -E "TTFT|TPOT|ITL|throughput"
+          --request-rate $rate --seed $((${rate%.*} * 100 + seed)) --save-result "$out/bench_$tag.json" | grep -E "TTFT|TPOT|ITL|throughput"
       sleep 0.5  # the last lines of the log
       # (the bench client's test request is the first line of each run: left out)
       $py benchmarks/ttft_breakdown.py "$log" --lines $((from + 1)): --title "$label" --json "$out/ttft_$tag.json"
