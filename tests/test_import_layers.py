@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tokenize_parallel",),
     ("protocol",),                       # every wire struct
     ("config",),                         # EngineConfig and its sections
-    ("sampling_params", "logprobs", "fault_injection", "arg_utils", "process_lifetime"),
+    ("sampling_params", "logprobs", "fault_injection", "arg_utils", "process_lifetime", "ttft_trace"),
     ("cpu_limits", "parallel"),          # parallel/: process groups and collectives
 )
 TIER = {room: i for i, tier in enumerate(LAYERS) for room in tier}

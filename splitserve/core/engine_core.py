@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import time
 
 import torch
 
@@ -19,6 +20,7 @@ from splitserve.core.executor import Executor
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request import Request, RequestStatus
 from splitserve.core.scheduler import Scheduler
+from splitserve.ttft_trace import CoreTracer, enabled as ttft_enabled
 from splitserve.fault_injection import install_step_faults
 from splitserve.loading.resolve import load_serving_tokenizer
 from splitserve.protocol.core_messages import EngineCoreOutput, EngineCoreRequest, KVTransferCounters, SchedulerStats
@@ -122,6 +124,8 @@ class EngineCore:
         self._failed_steps_in_a_row = 0
         self.num_received = 0
         self.last_step_tokens = 0  # tokens the last step() launched (0: it launched nothing)
+        # The per-request TTFT breakdown (SPLITSERVE_TTFT_LOG; ttft_trace.py), or None (off).
+        self.ttft = CoreTracer() if ttft_enabled() else None
         # Start-up leaves millions of long-lived objects (modules, compiled graphs, sympy expressions);
         # every full collection while serving would walk them all, stalling a step for ~0.1 s. Freeze
         # them out of the collector's view (what start-up left as garbage stays: a little memory).
@@ -171,6 +175,8 @@ class EngineCore:
         if req.sampling_params.structured_outputs is not None:
             self.structured.register(request)  # its grammar compiles meanwhile; admitted when ready
         self.scheduler.add_request(request)
+        if self.ttft is not None:
+            self.ttft.on_add(request)
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
         """Ends sequences wherever they are and frees their blocks; unknown ids are ignored. The front
@@ -253,7 +259,12 @@ class EngineCore:
             outputs += self._fail_grammars()
         if self.lora is not None:
             outputs += self._fail_lora_loads()
+        ttft = self.ttft
+        if ttft is not None:
+            t_sched = time.monotonic()
         sched = self.scheduler.schedule()
+        if ttft is not None:
+            ttft.on_schedule(sched, t_sched, self.scheduler.requests)
         if self.scheduler.kv_failed:  # loads that failed under kv_load_failure_policy "fail"
             failed, self.scheduler.kv_failed = self.scheduler.kv_failed, []
             outputs += [EngineCoreOutput(r.request_id, [], finish_reason="error", stop_reason=r.stop_reason)
@@ -278,6 +289,8 @@ class EngineCore:
             except Exception as exc:
                 outputs += self._fail_step(sched, exc, launched=False)
             else:
+                if ttft is not None:
+                    ttft.on_launched(sched)
                 num_samples = self.scheduler.advance(sched)
                 assert launched.sample_requests is None or num_samples == len(launched.sample_requests), \
                     "scheduler and worker disagree on who samples"
@@ -371,6 +384,8 @@ class EngineCore:
         except Exception as exc:
             return self._fail_step(sched, exc)
         self._failed_steps_in_a_row = 0
+        if self.ttft is not None:
+            self.ttft.on_collected(sched)
         outputs = []
         for request in self.scheduler.update(sched, result.tokens, result.prompt_logprobs, result.more_tokens,
                                              result.draft_token_ids):
@@ -388,6 +403,8 @@ class EngineCore:
                 if num_new > 1:  # accepted drafts (speculative decoding): a logprob for each new token
                     out.new_logprobs += result.more_logprobs[rid][:num_new - 1]
                     out.new_logprob_ranks += result.more_logprob_ranks[rid][:num_new - 1]
+            if request.ttft_trace is not None:
+                out.ttft_trace = CoreTracer.first_token(request)
             if request.kv_params_out is not None:  # a producer holds its blocks for a decode engine
                 out.kv_transfer_params = request.kv_params_out
             if len(request.output_token_ids) == 1:

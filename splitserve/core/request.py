@@ -101,6 +101,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
 
+    # The TTFT breakdown's timestamps until its first token (ttft_trace.py); None when it is off.
+    ttft_trace: list | None = None
+
     _encoder_hash: int | None = None
 
     @property

@@ -14,6 +14,10 @@ The scheduler owns the `Request` objects; the worker gets a plain-data `Schedule
 the requests that step ran (kept here by step id), never by id lookup alone: an id can be reused by a
 new request once the old one has finished.
 
+Prefill sharing (`_reserve`): a prompt still being chunked leaves a token to each decoding request
+behind it in the running list and room for the short prompts at the waiting queue's head (whole, in
+order), up to half the step, so they do not wait for its last chunk.
+
 Structured outputs: a constrained request is admitted only once its grammar has compiled (one still
 compiling is passed over, and keeps its place in the queue); each token it samples advances its
 grammar matcher, and a grammar that reaches its end ends the request (the manager lives next to the
@@ -62,6 +66,7 @@ from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request_queue import make_waiting_queue
 from splitserve.protocol.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.core.request import Request, RequestStatus
+from splitserve.ttft_trace import baseline as ttft_baseline
 from splitserve.kv_transfer.base import wants_remote_prefill
 
 __all__ = ["Scheduler", "SchedulerOutput"]
@@ -98,6 +103,8 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}  # loading their prompt's KV from another engine
         self.kv_failed: list[Request] = []  # ended by a failed load (policy fail); the core reports them
         self.num_prompt_tokens_computed = 0  # prompt tokens run by steps (not cached, not loaded)
+        # Prefill sharing (_reserve); off only for before/after measurements (ttft_trace.py).
+        self.share_prefill = not ttft_baseline()
 
     # -- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,9 +141,14 @@ class Scheduler:
         lookahead = spec.lookahead_slots if spec is not None else 0
 
         i = 0
+        reserve = None  # for the waiting queue's short head, once a chunked prompt is met (_reserve)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_computed_tokens < request.num_prompt_tokens and self.share_prefill:
+                if reserve is None:
+                    reserve = self._reserve(budget)
+                n = min(n, budget - reserve - self._decodes_after(i))
             if n <= 0 or (request.num_pending and self._at_length_limit(request)):
                 # Nothing to compute, or its last token is still in flight and ends it: skip.
                 i += 1
@@ -246,6 +258,29 @@ class Scheduler:
         if scheduled:
             self._steps[out.step_id] = scheduled
         return out
+
+    def _decodes_after(self, i: int) -> int:
+        """Prefill sharing: the running requests after position i that decode (one token each, left
+        to them by a prompt chunk before them: running requests admitted after a long prompt would
+        otherwise get no token until its last chunk)."""
+        return sum(1 for r in self.running[i + 1:] if r.num_computed_tokens >= r.num_prompt_tokens)
+
+    def _reserve(self, budget: int) -> int:
+        """Prefill sharing: what a prompt still in its prefill leaves of the step's `budget` to the
+        waiting requests at the queue's head that can run whole prompts now (each fits in what is
+        left of half the budget), so they sample their first token in this step rather than after
+        the long prompt's last chunk. In queue order, stopping at the first that does not fit (no
+        request is passed over); at most half the budget, so a long prompt still runs at least half
+        of every step it shares with them."""
+        cap = budget // 2
+        reserve, room = 0, min(self.config.max_num_seqs - len(self.running), 64)
+        for request in self.waiting:
+            need = request.num_tokens - request.num_computed_tokens + request.num_encoder_tokens
+            if room <= 0 or reserve + need > cap:
+                break
+            reserve += need
+            room -= 1
+        return reserve
 
     # -- KV transfer ------------------------------------------------------------------------------
     def _start_remote_load(self, request: Request, hits: list, num_cached: int) -> bool:

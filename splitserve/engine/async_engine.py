@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 import zmq
 
+from splitserve.ttft_trace import enabled as ttft_enabled
 from splitserve.engine.replica_router import ReplicaRouter
 from splitserve.engine.replicas import CorePlacement, Replica, replica_devices, total_stats
 from splitserve.protocol.core_messages import (AbortRequests, AddRequests, Codec, EngineCoreOutputs, FrontToCore,
@@ -56,6 +57,10 @@ class RequestStream:
         self.engine_done = False         # the engine has sent its final output
         self.metrics_state: dict[str, Any] = {}
         self.num_seqs = 1                # its sequences (n)
+        # TTFT breakdown (ttft_trace.py), when on: the core's trace of its first token, the
+        # message's timestamp and when the front took it in; and the handler's start.
+        self.ttft: tuple | None = None
+        self.ttft_start: tuple | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
@@ -143,6 +148,7 @@ class AsyncLLMEngine:
         self._ready_timeout: float | None = None
         self._config = front.config      # what a replica that died is restarted with
         self._restarts: list[threading.Thread] = []  # threads restarting replicas (joined at shutdown)
+        self._ttft = ttft_enabled()  # the per-request TTFT breakdown (SPLITSERVE_TTFT_LOG)
 
     @staticmethod
     def _run_core_thread(core, placement: CorePlacement) -> None:
@@ -400,6 +406,8 @@ class AsyncLLMEngine:
             except Exception:  # metrics must never break serving
                 logger.exception("step observer failed")
         if msg.outputs:
+            if self._ttft:
+                self._take_ttft_traces(msg)
             outputs, drop = self.front.output_processor.process(msg.outputs, msg.timestamp)
             for reason, ids in drop.items():
                 self._send(replica, AbortRequests(ids, reason))
@@ -415,6 +423,16 @@ class AsyncLLMEngine:
             from splitserve.core.engine_core import EngineDeadError
             self._dead = EngineDeadError(msg.dead)
             self._fail(list(self._streams), self._dead)
+
+    def _take_ttft_traces(self, msg: EngineCoreOutputs) -> None:
+        """Keeps the core's trace of each first token on its stream (the server writes the line once
+        the first event is out); the first of a request's n sequences counts."""
+        now = time.monotonic()
+        for o in msg.outputs:
+            if o.ttft_trace is not None:
+                stream = self._streams.get(o.request_id) or self._streams.get(o.request_id.rpartition("#")[0])
+                if stream is not None and stream.ttft is None:
+                    stream.ttft = (o.ttft_trace, msg.timestamp, now)
 
     def _on_core_gone(self, replica: Replica, placement: CorePlacement, why: str) -> None:
         if placement is not replica.placement:

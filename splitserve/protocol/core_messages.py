@@ -68,6 +68,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With the last output of a request a KV producer holds blocks for: vLLM's kv_transfer_params
     # (remote_engine_id, remote_host, remote_port, remote_block_ids, remote_request_id, ...).
     kv_transfer_params: dict | None = None
+    # With a request's first token, when the TTFT breakdown is on (SPLITSERVE_TTFT_LOG): the core's
+    # timestamps of it (ttft_trace.CoreTracer.first_token).
+    ttft_trace: list[float] | None = None
 
 
 class KVTransferCounters(msgspec.Struct, array_like=True):

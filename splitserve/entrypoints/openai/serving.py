@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from splitserve.ttft_trace import front_log
 from splitserve.engine.async_engine import (AsyncLLMEngine, EngineOverloadedError, EngineRequestError,
                                             EngineShutdownError, RequestStream)
 from splitserve.engine.output_processor import CompletionOutput, RequestOutput
@@ -96,6 +97,8 @@ class OpenAIServing:
         # Single-token decodes for logprobs; the vocabulary is fixed, so caching is safe.
         self.token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_WORKERS, thread_name_prefix="splitserve-tokenize")
+        # SPLITSERVE_TTFT_LOG: one line per streamed request at its first event (ttft_trace.py)
+        self.ttft_log = front_log()
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -378,6 +381,7 @@ class OpenAIServing:
 
     # -- /v1/completions ------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request):
+        ttft_start = self.ttft_log.start() if self.ttft_log is not None else None
         lora = self.check_model(req.model)
         params = req.to_sampling_params(self.sampling_defaults)
         await self._check_constraint(params, req.constraint_field)
@@ -387,6 +391,8 @@ class OpenAIServing:
         prompt_ids = await self._off_loop(text_chars, self._tokenize_prompts, prompts)
         prompt_ids = [self._truncate(p, params) for p in prompt_ids]
         streams = self._add_all(request_id, prompt_ids, params, "prompt", lora, req.priority)
+        for stream in streams if ttft_start is not None else ():
+            stream.ttft_start = ttft_start
         # echo: the prompt as given, or the tokens left of it after truncate_prompt_tokens
         cut = params.truncate_prompt_tokens is not None
         echoes = [self._echo_text(ids if cut else p) if req.echo else "" for p, ids in zip(prompts, prompt_ids)]
@@ -473,6 +479,8 @@ class OpenAIServing:
                 if finish is not None:
                     finished.add(index)
                 yield chunk(index, o.delta_text, o, finish, lp)
+                if self.ttft_log is not None:  # (after the yield: the event has been sent)
+                    self.ttft_log.first_event(streams[i])
         if req.include_usage:
             body = CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                             usage=self._usage([finals[i] for i in sorted(finals)]))
@@ -481,6 +489,7 @@ class OpenAIServing:
 
     # -- /v1/chat/completions -------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
+        ttft_start = self.ttft_log.start() if self.ttft_log is not None else None
         lora = self.check_model(req.model)
         params = req.to_sampling_params(self.sampling_defaults)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
@@ -501,6 +510,8 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = self._truncate(prompt, params)
         streams = self._add_all(request_id, [prompt], params, "messages", lora, req.priority)
+        if ttft_start is not None:
+            streams[0].ttft_start = ttft_start
         top_k = req.top_logprobs or 0
         if req.stream:
             return self._stream_response(self._chat_events(req, request_id, streams[0], params, top_k, plan,
@@ -568,6 +579,8 @@ class OpenAIServing:
                         yield chunk(o.index, extra)
                     delta = deltas[-1] if deltas else DeltaMessage()
                 yield chunk(o.index, delta, finish, lp, o.stop_reason if finish else None)
+                if self.ttft_log is not None:  # (after the yield: the event has been sent)
+                    self.ttft_log.first_event(stream)
         if req.include_usage and final is not None:
             body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
                                                 usage=self._usage([final]))
