@@ -195,11 +195,16 @@ def test_router_64_concurrent_requests_equal_colocated_and_decode_computes_one_p
         computed0 = _metric(decode, "splitserve:prompt_tokens_computed_total")
         received0 = _metric(decode, "splitserve:kv_transfer_received_tokens_total")
         failed0 = _metric(decode, "splitserve:kv_transfer_failed_total")
+        hits0 = _metric(decode, "splitserve:prefix_cache_hits_total")
         outs = list(pool.map(lambda ab: _complete(router, ab[1], ab[0]), bodies))
     assert [_text(o) for o in outs] == reference
     prompt_tokens = sum(o["usage"]["prompt_tokens"] for o in outs)
     assert _metric(decode, "splitserve:prompt_tokens_computed_total") - computed0 == len(bodies)  # one each
-    assert _metric(decode, "splitserve:kv_transfer_received_tokens_total") - received0 == prompt_tokens
+    # Every other prompt token was received, or found in the decode side's own prefix cache (the
+    # chat template's system prompt, say), which is not read again.
+    received = _metric(decode, "splitserve:kv_transfer_received_tokens_total") - received0
+    assert received + _metric(decode, "splitserve:prefix_cache_hits_total") - hits0 == prompt_tokens
+    assert received > prompt_tokens / 2
     assert _metric(decode, "splitserve:kv_transfer_failed_total") == failed0
     assert _eventually(lambda: _idle_and_whole(prefill) and _idle_and_whole(decode), timeout=15)
 
