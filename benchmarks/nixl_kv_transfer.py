@@ -68,6 +68,8 @@ def prefill_side(args, to_decode, from_decode):
         for t in transports.values():
             t.notifications()
         time.sleep(0.001)
+    for t in transports.values():
+        t.close()
 
 
 def decode_side(args, from_prefill, to_prefill, results):
@@ -104,6 +106,8 @@ def decode_side(args, from_prefill, to_prefill, results):
         ok = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(got, sums[layout, stride]))
         rows.append((layout, stride, threads, times[1:], tele[1:], ok))
     results.put((rows, n * LAYERS * pools[next(iter(pools))][0][0].numel() * 2))
+    for t, _ in readers.values():
+        t.close()
     to_prefill.put("bye")
 
 

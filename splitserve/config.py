@@ -288,7 +288,8 @@ class KVTransferConfig:
     kv_lease_duration: float = 30.0     # s a producer holds blocks nobody has read (vLLM's name)
     kv_load_timeout: float = 10.0       # s a consumer waits on a producer before the load fails
     offload_bytes: int = 0              # OffloadingConnector: host memory for evicted prefix blocks
-    num_threads: int = 4                # NixlConnector: UCX workers posting a long READ in parallel (vLLM's key)
+    num_threads: int = 0                # NixlConnector: UCX workers posting a long READ in parallel (vLLM's key;
+                                        # vLLM uses 4; 0 until the GPU benchmark says what it buys)
 
     def __post_init__(self) -> None:
         _require(self.kv_connector in KV_CONNECTORS,

@@ -128,7 +128,7 @@ class NixlKVTransport:
         # One region per layer, or the one buffer of a block-major pool.
         regions = [(self.addrs[0], lay.num_blocks * lay.num_layers * lay.block_bytes)] if lay.block_major else \
             [(a, lay.num_blocks * lay.block_bytes) for a in self.addrs]
-        self.agent.register_memory([(a, n, self.device_id, "") for a, n in regions], self.mem_type)
+        self._registered = self.agent.register_memory([(a, n, self.device_id, "") for a, n in regions], self.mem_type)
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _layer_descriptors(self.addrs, lay, self.device_id),
                                                  self.mem_type)
         self._local_blocks = self.agent.prep_xfer_dlist(
@@ -194,6 +194,18 @@ class NixlKVTransport:
     def notifications(self) -> list[bytes]:
         """Notes peers attached to reads of our blocks that have finished (request ids)."""
         return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+
+    def close(self) -> None:
+        """Releases every NIXL object now, on the calling thread, with no transfer in flight. Left to the
+        garbage collector, an agent is destroyed on whatever thread runs it, at any time: UCX aborts the
+        process when that races with another agent's calls, or at interpreter exit."""
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for handle in (self._local, self._local_blocks):
+            if handle is not None:
+                handle.release()
+        self.agent.deregister_memory(self._registered)
+        self.agent = None  # the last reference: the C++ agent (its UCX workers, threads) goes here
 
     def remove_peer(self, peer: str) -> None:
         entry = self._peers.pop(peer, None)

@@ -27,8 +27,20 @@ def pool(block_major: bool, seed: int, blocks: int = BLOCKS):
     return [torch.randn(blocks, *SHAPE, generator=g) for _ in range(LAYERS)]
 
 
+_made: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_transports():
+    """Each test's agents are closed at its end, on this thread (NixlKVTransport.close says why)."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def transport(caches, **kw):
-    return NixlKVTransport(f"t{next(_names)}", caches, telemetry=True, **kw)
+    _made.append(NixlKVTransport(f"t{next(_names)}", caches, telemetry=True, **kw))
+    return _made[-1]
 
 
 def read(reader, peer, remote, local, note=b""):
@@ -101,7 +113,7 @@ def test_num_threads_is_read_from_the_extra_config():
     cfg = parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", '
                                    '"kv_connector_extra_config": {"num_threads": 8}}')
     assert cfg.num_threads == 8
-    assert parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}').num_threads == 4
+    assert parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}').num_threads == 0
     with pytest.raises(ValueError, match="num_threads"):
         parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", '
                                  '"kv_connector_extra_config": {"num_threads": -1}}')
