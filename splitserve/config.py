@@ -276,7 +276,7 @@ KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "engine_id", "kv_ip", "kv_port", 
                     "kv_connector_extra_config", "kv_buffer_device", "kv_buffer_size", "kv_rank",
                     "kv_parallel_size", "kv_connector_module_path", "enable_permute_local_kv")
 # Keys of kv_connector_extra_config that splitserve reads.
-KV_EXTRA_KEYS = ("kv_lease_duration", "kv_load_timeout", "cpu_bytes_to_use")
+KV_EXTRA_KEYS = ("kv_lease_duration", "kv_load_timeout", "cpu_bytes_to_use", "num_threads")
 
 
 @dataclass(frozen=True)
@@ -292,6 +292,8 @@ class KVTransferConfig:
     kv_lease_duration: float = 30.0     # s a producer holds blocks nobody has read (vLLM's name)
     kv_load_timeout: float = 10.0       # s a consumer waits on a producer before the load fails
     offload_bytes: int = 0              # OffloadingConnector: host memory for evicted prefix blocks
+    num_threads: int = 0                # NixlConnector: UCX workers posting a long READ in parallel (vLLM's key;
+                                        # vLLM uses 4; 0 until the GPU benchmark says what it buys)
 
     def __post_init__(self) -> None:
         _require(self.kv_connector in KV_CONNECTORS,
@@ -305,6 +307,9 @@ class KVTransferConfig:
                  f"kv_transfer_config: kv_port must be in [0, 65535], got {self.kv_port!r}")
         _require(self.kv_lease_duration > 0 and self.kv_load_timeout > 0,
                  "kv_transfer_config: kv_lease_duration and kv_load_timeout must be > 0")
+        _require(isinstance(self.num_threads, int) and 0 <= self.num_threads <= 64,
+                 f"kv_transfer_config: kv_connector_extra_config.num_threads must be an integer in [0, 64], "
+                 f"got {self.num_threads!r}")
         _require(self.kv_connector != "OffloadingConnector" or self.offload_bytes > 0,
                  "OffloadingConnector needs host memory: --kv-offload-gb N (or kv_connector_extra_config."
                  "cpu_bytes_to_use)")
@@ -354,6 +359,8 @@ def parse_kv_transfer_config(text: str | dict | None, offload_gb: float | None =
     for key in ("kv_lease_duration", "kv_load_timeout"):
         if key in extra:
             kwargs[key] = float(extra[key])
+    if "num_threads" in extra:
+        kwargs["num_threads"] = extra["num_threads"]
     return KVTransferConfig(raw["kv_connector"], raw["kv_role"], offload_bytes=offload, **kwargs)
 
 

@@ -291,7 +291,9 @@ class Scheduler:
         if request.kv_load_tried or not wants_remote_prefill(params):
             return False
         num_remote = self.connector.lookup(request.request_id, params, request.num_prompt_tokens, len(hits))
-        if num_remote <= 0:
+        if num_remote <= 0:  # (its own prefix cache has them all): the producer need not hold them
+            request.kv_load_tried = True
+            self.connector.discard(request.request_id, params)
             return False
         # Blocks for every prompt token; the waiting request has computed none of them yet.
         if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_cached, hits):
@@ -587,6 +589,11 @@ class Scheduler:
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.receiving[rid]
                 self.connector.cancel(rid)
+            if self.connector is not None and not request.kv_load_tried \
+                    and wants_remote_prefill(request.kv_transfer_params):
+                # It never read its remote blocks: the producer may free them now, not at lease end.
+                request.kv_load_tried = True
+                self.connector.discard(rid, request.kv_transfer_params)
             request.status = status
             self._release(request)
             done.append(request)

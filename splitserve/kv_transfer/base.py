@@ -10,6 +10,9 @@ Scheduler side (the engine core calls these on its own thread, with plain data):
   freed (the reader acknowledged, or the lease ran out). Finished loads land in the pool here, on
   the core's thread, so they are ordered with the model's steps.
 - `cancel(request_id)`: the receiving request was aborted; its load's data is dropped.
+- `discard(request_id, params)`: a request with remote blocks will not read them (aborted before its
+  load began, or its own prefix cache had them): the producer is told to free them (best effort; the
+  lease covers a lost message).
 - `save(request_id, params, block_ids, num_prompt_tokens)`: a request finished prefill on a producer;
   returns the `kv_transfer_params` a decode engine needs (vLLM's fields) when the connector holds the
   blocks for a remote reader, in which case the core keeps them until `poll` releases them.
@@ -79,6 +82,9 @@ class KVConnector:
         return [], []
 
     def cancel(self, request_id: str) -> None:
+        pass
+
+    def discard(self, request_id: str, params: dict) -> None:
         pass
 
     def save(self, request_id: str, params: dict | None, block_ids: list[int], num_prompt_tokens: int) -> dict | None:

@@ -14,7 +14,9 @@ them at lease end. The data never goes through that channel:
   acknowledgement that frees the held blocks; the lease covers readers that never come.
 Every NIXL call after start-up is made on the one NIXL thread ("kv-nixl"), never on the engine
 core's: posting a READ costs ~10 us per descriptor that NIXL cannot merge (scattered blocks: tens of
-ms for one long prompt), and NIXL releases the GIL meanwhile, so the core's steps go on.
+ms for one long prompt; `kv_connector_extra_config.num_threads` (0 by default; vLLM uses 4) splits a
+long READ over that many UCX workers, and a block-major pool needs one descriptor per block:
+nixl_transport.py), and NIXL releases the GIL meanwhile, so the core's steps go on.
 
 Tensor parallelism: one rank on both sides (the pool must live in the core's process). A
 tensor-parallel producer is refused at start-up (config_builder) and at the handshake; TcpConnector
@@ -56,7 +58,8 @@ class NixlConnector(TcpConnector):
                              "a tensor-parallel prefill engine needs TcpConnector")
         from splitserve.kv_transfer.nixl_transport import NixlKVTransport
         # The agent (registered memory, UCX context) before the side channel can announce it.
-        self.transport = NixlKVTransport(f"{config.engine_id or 'splitserve'}-{uuid.uuid4().hex[:8]}", pool.caches)
+        self.transport = NixlKVTransport(f"{config.engine_id or 'splitserve'}-{uuid.uuid4().hex[:8]}", pool.caches,
+                                         num_threads=config.num_threads)
         self._nixl_meta = self.transport.metadata()
         super().__init__(config, pool)
         self._layer_block_bytes = self.transport.layout.block_bytes * self.transport.layout.num_layers
@@ -302,3 +305,8 @@ class NixlConnector(TcpConnector):
     def shutdown(self):
         super().shutdown()  # stops the serving thread and, through the same event, the NIXL thread
         self._nixl_thread.join(timeout=5)
+        if not self._nixl_thread.is_alive():  # (its READs' handles are released): NIXL goes now, here
+            try:
+                self.transport.close()
+            except Exception as e:
+                logger.warning("NIXL: closing the agent: %s", e)

@@ -61,6 +61,7 @@ class TcpConnector(KVConnector):
         # Producer: request id -> (block ids, prompt tokens, lease deadline); acknowledged ids.
         self._held: dict[str, tuple[list[int], int, float]] = {}
         self._acked: list[str] = []
+        self._reading: set[str] = set()  # held requests a serving thread is copying out: no lease end now
         # Consumer: request id -> (local block ids, first block, prompt tokens) of loads in flight,
         # and what their threads have finished: (request id, tensor or LoadError, seconds).
         self._loads: dict[str, tuple[list[int], int, int]] = {}
@@ -128,14 +129,20 @@ class TcpConnector(KVConnector):
                 return [_enc.encode({"ok": False, "error": "read this engine's blocks from its ranks' ports"})]
             with self._lock:
                 held = self._held.get(rid)
+                if held is not None:
+                    self._reading.add(rid)
             if held is None:
                 return [_enc.encode({"ok": False, "error": f"request {rid!r} holds no blocks here (released, its "
                                                            f"lease of {self.config.kv_lease_duration:g} s expired, "
                                                            f"or never prefilled)"})]
-            wanted = list(msg.get("block_ids", []))
-            if not set(wanted) <= set(held[0]):
-                return [_enc.encode({"ok": False, "error": f"blocks {wanted} are not all held for {rid!r}"})]
-            data = self.pool.read(wanted).contiguous()
+            try:
+                wanted = list(msg.get("block_ids", []))
+                if not set(wanted) <= set(held[0]):
+                    return [_enc.encode({"ok": False, "error": f"blocks {wanted} are not all held for {rid!r}"})]
+                data = self.pool.read(wanted).contiguous()
+            finally:
+                with self._lock:
+                    self._reading.discard(rid)
             raw = data.view(torch.uint8).numpy()
             with self._lock:
                 self.stats.sent_bytes += raw.nbytes
@@ -170,6 +177,21 @@ class TcpConnector(KVConnector):
 
     def cancel(self, request_id):
         self._loads.pop(request_id, None)  # what its thread brings back is dropped by poll
+
+    def discard(self, request_id, params):
+        host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+        if self._readers is not None and host and port and rid is not None:
+            self._readers.submit(self._release_remote, str(host), int(port), rid)
+
+    def _release_remote(self, host: str, port: int, rid) -> None:
+        """Reader thread: tells the producer that a request's held blocks will not be read."""
+        sock = self._socket(host, port)
+        try:
+            self._ask(sock, {"op": "done", "request_id": rid, "bytes": 0, "tokens": 0}, "a release", host, port)
+        except LoadError as e:  # the producer frees them at lease end instead
+            logger.warning("KV consumer: %s", e)
+        finally:
+            sock.close()
 
     def _socket(self, host: str, port: int):
         sock = self._ctx.socket(zmq.DEALER)
@@ -256,7 +278,8 @@ class TcpConnector(KVConnector):
             finished, self._finished = self._finished, []
             acked, self._acked = self._acked, []
             now = time.monotonic()
-            expired = [rid for rid, (_, _, deadline) in self._held.items() if deadline < now]
+            # (a lease ending while its blocks are copied out waits for the copy: they must not be reused yet)
+            expired = [rid for rid, (_, _, deadline) in self._held.items() if deadline < now and rid not in self._reading]
             for rid in expired:
                 del self._held[rid]
         if expired:

@@ -20,7 +20,7 @@ class ScriptedConnector(KVConnector):
 
     def __init__(self):
         super().__init__(None, None)
-        self.loads, self.cancelled, self.saved, self.released = {}, [], {}, []
+        self.loads, self.cancelled, self.saved, self.released, self.discarded = {}, [], {}, [], []
         self.done: list[LoadDone] = []
         self.to_release: list[str] = []
 
@@ -37,6 +37,9 @@ class ScriptedConnector(KVConnector):
 
     def cancel(self, rid):
         self.cancelled.append(rid)
+
+    def discard(self, rid, params):
+        self.discarded.append(rid)
 
     def save(self, rid, params, block_ids, num_prompt_tokens):
         if not params.get("do_remote_decode"):
@@ -170,3 +173,27 @@ def test_loaded_request_preempted_recomputes_without_loading_again():
     run_to_end(sched)
     assert sched.num_preemptions >= 1 and sched.requests == {}
     assert len(conn.loads) == 1 and kv.pool.is_whole()
+
+
+def test_remote_blocks_never_read_are_discarded_at_once():
+    """A request that will not read its remote blocks (aborted before its load began, or its own
+    prefix cache has them all) tells the connector once, so the producer need not wait for the lease."""
+    sched, kv, conn = make(num_blocks=3)
+    sched.add_request(req("big", 11, start=300))  # takes every block: the remote one must wait
+    step(sched)
+    sched.add_request(req("remote", 10, do_remote_prefill=True))
+    step(sched)
+    assert "remote" not in sched.receiving and not conn.loads
+    sched.finish_requests(["remote", "big"], RequestStatus.FINISHED_ABORTED)
+    assert conn.discarded == ["remote"] and not conn.cancelled
+    sched.forget_steps()
+    assert kv.pool.is_whole()
+
+    class AllLocal(ScriptedConnector):
+        def lookup(self, rid, params, num_prompt_tokens, num_local_blocks):
+            return 0
+    sched = Scheduler(SchedulerConfig(8, 100), kv, connector=(conn := AllLocal()))
+    sched.add_request(req("hit", 10, do_remote_prefill=True))
+    run_to_end(sched)
+    assert conn.discarded == ["hit"] and not conn.loads     # once, though it is finished after
+    assert kv.pool.is_whole()

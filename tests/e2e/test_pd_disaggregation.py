@@ -3,19 +3,27 @@ instances (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py in vLLM): 
 prefill instance with max_tokens=1, stream off and kv_transfer_params {"do_remote_decode": true, ...
 None}; the kv_transfer_params of its response go with the original request to the decode instance.
 
-Servers (one module, started together): a producer, two consumers (load-failure policies recompute
-and fail), and a server with a tiny pool and --kv-offload-gb. The colocated reference is the producer
-itself answering plain requests (no kv_transfer_params: the connector is not involved)."""
+Servers (one module, started together): a producer (a 10 s lease, so that blocks nobody reads come
+back within a test), two consumers (load-failure policies recompute and fail), and a server with a
+tiny pool and --kv-offload-gb; `splitserve router --pd` in front of the producer and the first
+consumer when vllm-router is installed. The colocated reference is a plain request to a server
+(no kv_transfer_params: the connector is not involved): the fail-policy consumer for the router's
+64 requests (a process of its own), the producer itself for the toy-proxy tests."""
 from __future__ import annotations
 
 import os
 import signal
 import time
 
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
 from conftest import DEFAULT_ARGS, ServerProcess, free_port, metric_value
+from tests.router.conftest import NEEDS_ROUTER, RouterProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -35,24 +43,38 @@ def _tcp(role: str, **extra) -> list[str]:
 @pytest.fixture(scope="module")
 def servers():
     kv_port = free_port()
+    wide = ["--max-num-seqs", "64"]  # the router's 64 concurrent requests run as one batch (no queueing)
     specs = {
-        "prefill": _tcp("kv_producer", kv_port=kv_port),
-        "decode": _tcp("kv_consumer", kv_connector_extra_config={"kv_load_timeout": 3}),
-        "decode_fail": _tcp("kv_consumer", kv_load_failure_policy="fail",
-                            kv_connector_extra_config={"kv_load_timeout": 3}),
+        "prefill": wide + _tcp("kv_producer", kv_port=kv_port, kv_connector_extra_config={"kv_lease_duration": 10}),
+        "decode": wide + _tcp("kv_consumer", kv_connector_extra_config={"kv_load_timeout": 3}),
+        "decode_fail": wide + _tcp("kv_consumer", kv_load_failure_policy="fail",
+                                   kv_connector_extra_config={"kv_load_timeout": 3}),
         # 16 blocks of 16 tokens: a conversation of ~150 tokens and a ~230-token filler evict each other.
         "offload": ["--kv-offload-gb", "0.05", "--num-blocks", "16", "--max-model-len", "256"],
     }
     procs = {}
     try:
         for name, args in specs.items():
-            procs[name] = ServerProcess(DEFAULT_ARGS + args)
+            # One torch thread each: four servers share the machine's cores, and threads that wait
+            # on each other's time slices make every step a multiple slower.
+            procs[name] = ServerProcess(DEFAULT_ARGS + args, env={"OMP_NUM_THREADS": "1"})
         for p in procs.values():
             p.wait_healthy()
         yield procs
     finally:
         for p in procs.values():
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def router(servers):
+    """`splitserve router --pd` in front of the producer and the recompute consumer (the toy-proxy
+    tests talk to the servers themselves)."""
+    # (a health check the busy servers answer late must not take them out of the rotation)
+    r = RouterProcess(["--pd", "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
+                       "--health-failure-threshold", "30"], expect_healthy=2)
+    yield r
+    r.stop()
 
 
 def _metric(srv, name):
@@ -132,6 +154,105 @@ def test_unread_prefill_blocks_are_released_when_the_client_leaves_the_decode_si
     assert _eventually(lambda: _metric(decode, "splitserve:num_requests_running") == 0
                        and _metric(decode, "splitserve:kv_cache_usage_perc") == 0)
     assert _eventually(lambda: _metric(prefill, "splitserve:kv_transfer_held_requests") == 0, timeout=10)
+
+
+SUBJECTS = ["the moon", "a red bicycle", "rain in April", "the number seven", "old libraries", "coffee",
+            "a lighthouse", "winter birds"]
+
+
+def _router_bodies(n: int) -> list[tuple[str, dict]]:
+    """n short greedy requests (one to three KV blocks of prompt), every fourth a chat."""
+    out = []
+    for i in range(n):
+        subject = SUBJECTS[i % len(SUBJECTS)]
+        if i % 4 == 3:
+            out.append(("/v1/chat/completions", {"model": MODEL, "max_tokens": 6, "temperature": 0,
+                                                 "messages": [{"role": "user", "content": f"Say one thing about {subject}."}]}))
+        else:
+            prompt = f"Note {i}. " + "Here is a short story about " * (1 + i % 3) + f"{subject}:"
+            out.append(("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}))
+    return out
+
+
+def _gauges(srv) -> dict:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    names = ["num_requests_running", "num_requests_waiting", "kv_transfer_receiving", "kv_transfer_held_requests",
+             "kv_cache_usage_perc"]
+    return {n: metric_value(text, "splitserve:" + n, {"model_name": MODEL}) for n in names}
+
+
+def _idle_and_whole(srv) -> bool:
+    """Nothing running, waiting, receiving or held, and every KV block back in the free pool."""
+    return all(v == 0 for v in _gauges(srv).values())
+
+
+@NEEDS_ROUTER
+def test_router_64_concurrent_requests_equal_colocated_and_decode_computes_one_prompt_token_each(servers, router):
+    prefill, decode, colocated = servers["prefill"], servers["decode"], servers["decode_fail"]
+    bodies = _router_bodies(64)
+    with ThreadPoolExecutor(64) as pool:
+        reference = list(pool.map(lambda ab: _text(_complete(colocated, ab[1], ab[0])), bodies))
+        computed0 = _metric(decode, "splitserve:prompt_tokens_computed_total")
+        received0 = _metric(decode, "splitserve:kv_transfer_received_tokens_total")
+        failed0 = _metric(decode, "splitserve:kv_transfer_failed_total")
+        hits0 = _metric(decode, "splitserve:prefix_cache_hits_total")
+        outs = list(pool.map(lambda ab: _complete(router, ab[1], ab[0]), bodies))
+    assert [_text(o) for o in outs] == reference
+    prompt_tokens = sum(o["usage"]["prompt_tokens"] for o in outs)
+    assert _metric(decode, "splitserve:prompt_tokens_computed_total") - computed0 == len(bodies)  # one each
+    # Every other prompt token was received, or found in the decode side's own prefix cache (the
+    # chat template's system prompt, say), which is not read again.
+    received = _metric(decode, "splitserve:kv_transfer_received_tokens_total") - received0
+    assert received + _metric(decode, "splitserve:prefix_cache_hits_total") - hits0 == prompt_tokens
+    assert received > prompt_tokens / 2
+    assert _metric(decode, "splitserve:kv_transfer_failed_total") == failed0
+    assert _eventually(lambda: _idle_and_whole(prefill) and _idle_and_whole(decode), timeout=15)
+
+
+@NEEDS_ROUTER
+def test_router_150_streams_with_30_percent_client_disconnects_leave_both_pools_whole(servers, router):
+    """45 of 150 streamed requests through the router are dropped by their clients: before any answer
+    (while the prefill leg runs or the decode request waits), or after one or two events. The other
+    105 finish; afterwards both engines are idle and every block is back in both pools (blocks a
+    reader never came for go back at the producer's 10 s lease end)."""
+    prefill, decode = servers["prefill"], servers["decode"]
+    rng = random.Random(38)
+    plan = [rng.choice(["early", 1, 2]) for _ in range(45)] + [None] * 105
+    rng.shuffle(plan)
+    bodies = _router_bodies(150)
+    finished, errors = [], []
+
+    def one(i: int) -> None:
+        api, body = bodies[i]
+        body = dict(body, stream=True, max_tokens=8)
+        leave = plan[i]
+        try:
+            timeout = httpx.Timeout(300, read=rng.uniform(0.05, 0.5)) if leave == "early" else 300
+            with httpx.stream("POST", router.url + api, json=body, timeout=timeout) as r:
+                assert r.status_code == 200, r.read()
+                events = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events += 1
+                        if leave is not None and events >= leave:
+                            return  # the client goes away mid-stream
+                        if line == "data: [DONE]":
+                            finished.append(i)
+        except httpx.ReadTimeout:
+            if leave != "early":
+                errors.append(f"{i}: read timeout")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(150)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:5]
+    assert set(finished) >= {i for i, leave in enumerate(plan) if leave is None}
+    assert _eventually(lambda: _idle_and_whole(prefill) and _idle_and_whole(decode), timeout=40), \
+        {"prefill": _gauges(prefill), "decode": _gauges(decode)}
 
 
 def test_prefill_killed_recompute_completes_and_fail_errors_clearly(servers):

@@ -112,6 +112,28 @@ def test_unread_blocks_go_back_at_lease_end():
         prod.shutdown()
 
 
+def test_discarded_blocks_go_back_before_the_lease(pair):
+    """A reader that will not read (its request was aborted before loading) tells the producer."""
+    prod, cons = pair
+    params = prod.save("p", {"do_remote_decode": True}, [1, 2], 6)
+    cons.discard("d", params)
+    assert wait_until(lambda: not prod._held)
+    assert prod.poll() == ([], ["p"]) and not prod.busy and not cons.busy
+
+
+def test_a_lease_does_not_end_while_its_blocks_are_copied_out():
+    prod = TcpConnector(KVTransferConfig("TcpConnector", "kv_producer", kv_port=0, kv_lease_duration=0.05), pool())
+    try:
+        prod.save("p", {"do_remote_decode": True}, [1, 2], 6)
+        prod._reading.add("p")  # as the serving thread marks it around its copy
+        time.sleep(0.1)
+        assert prod.poll() == ([], [])
+        prod._reading.discard("p")
+        assert prod.poll() == ([], ["p"])
+    finally:
+        prod.shutdown()
+
+
 def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="kv_connector must be one of"):
         parse_kv_transfer_config('{"kv_connector": "P2pNcclConnector", "kv_role": "kv_both"}')
