@@ -242,8 +242,17 @@ class ModelRunner:
         m = self.config.model
         num_layers, num_kv_heads = self.kv_layout()
         shape = (num_blocks, 2, self.block_size, num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(num_layers)]
+        kt = self.config.kv_transfer
+        if self.device.type == "cuda" and kt is not None and kt.kv_connector == "NixlConnector":
+            # A NIXL engine's pool is block-major, a block of every layer contiguous: NIXL reads a block as
+            # one descriptor, not one per layer (kv_transfer/nixl_transport.py). The layers are strided
+            # views the Triton kernels take by stride (tests/attention/test_block_major_kv.py); the CPU
+            # attention wants contiguous layers, and other engines keep one tensor per layer.
+            whole = torch.zeros((num_blocks, num_layers) + shape[1:], dtype=self.kv_cache_dtype, device=self.device)
+            self.kv_caches = list(whole.unbind(1))
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                              for _ in range(num_layers)]
         for module in self.model.modules():
             # A cross-attention layer shares its decoder layer's tensor (its blocks are another group's).
             if isinstance(module, Attention) or getattr(module, "shares_layer_kv_cache", False):
