@@ -60,7 +60,7 @@ import time
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request_queue import make_waiting_queue
-from splitserve.core.spec_control import SpecController, may_speculate, plan_step
+from splitserve.core.spec_control import SpecController, may_speculate, plan_step, propose_next
 from splitserve.protocol.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.core.request import Request, RequestStatus
 from splitserve.kv_transfer.base import wants_remote_prefill
@@ -137,7 +137,7 @@ class Scheduler:
         lookahead = spec.lookahead_slots if spec is not None else 0
         spec_plan = {}
         if speculating:
-            spec_plan, out.spec_propose = plan_step(self.spec_control, self.running, budget)
+            spec_plan = plan_step(self.spec_control, self.running, budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -244,6 +244,8 @@ class Scheduler:
             out.lora_loads = self.lora.take_loads()
         if scheduled:
             self._steps[out.step_id] = scheduled
+            if speculating:
+                out.spec_propose = propose_next(self.spec_control, scheduled)
         return out
 
     # -- KV transfer ------------------------------------------------------------------------------

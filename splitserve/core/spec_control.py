@@ -31,9 +31,13 @@ step already emits), down to 0. At acceptance length 1.2 (a ~ 0.17 at k = 4) and
 keeps 1-2 drafts with an expected gain of ~4% under the model, so the measured speed stays at or
 above speculation off unless the model's overhead is low by more than that.
 
+**Proposals** (`wants_proposals`): the worker proposes after a step (and that step is collected
+before the next launch) only if drafts would pay in the next step, over the sequences that sample
+in this one (a prompt's last chunk included: speculation starts right after the prompt).
+
 **Probing.** A sequence given no drafts gives no new evidence. After PROBE_EVERY steps without
-drafts, if drafts would pay at PROBE_ACCEPT for this batch, the next step's proposals are asked for
-and up to PROBE_SEQS sequences verify up to PROBE_DRAFTS drafts each. At batch 1 with nothing ever
+drafts, if drafts would pay at PROBE_ACCEPT for this batch, proposals are asked for and in the
+next step up to PROBE_SEQS sequences verify up to PROBE_DRAFTS drafts each. At batch 1 with nothing ever
 accepted this costs about (2 / knee + overhead) / PROBE_EVERY of the decode time (~0.4%).
 
 Not adaptive (`adaptive: false`): every candidate verifies up to k drafts (the scheduler's caps
@@ -104,33 +108,39 @@ class SpecController:
             return np.zeros(B, dtype=np.int64)
         return np.bincount(order[:best + 1] // self.k, minlength=B)
 
-    def plan(self, candidates: list[str], base_tokens: int, num_emitting: int) -> tuple[dict[str, int], bool]:
+    def plan(self, candidates: list[str], base_tokens: int, num_emitting: int) -> dict[str, int]:
         """candidates: ids of the decoding sequences that may speculate this step; base_tokens: the
         step's tokens without drafts; num_emitting: the sequences that sample in it. Returns the drafts
-        each candidate may verify now (a cap; it verifies those it has) and whether the worker should
-        propose drafts after this step (for the next one)."""
+        each candidate may verify now (a cap; it verifies those it has)."""
         if not candidates:
-            return {}, False
+            return {}
         if not self.adaptive:
-            return dict.fromkeys(candidates, self.k), True
+            return dict.fromkeys(candidates, self.k)
         num_emitting = max(num_emitting, len(candidates))
         counts = self._best(np.array([self.acceptance(r) for r in candidates]), base_tokens, num_emitting)
         if self._probing:
             self._probing = False
-            if not counts.any():  # the probe: verified now, nothing more asked for unless it pays
+            if not counts.any():  # the probe asked for in the step before
                 counts[:PROBE_SEQS] = min(self.k, PROBE_DRAFTS)
-                return dict(zip(candidates, counts.tolist())), False
-        plan = dict(zip(candidates, counts.tolist()))
-        if counts.any():
-            self._idle = 0
-            return plan, True
-        self._idle += 1
-        if self._idle >= PROBE_EVERY and \
-                self._best(np.full(len(candidates), PROBE_ACCEPT), base_tokens, num_emitting).any():
+        self._idle = 0 if counts.any() else self._idle + 1
+        return dict(zip(candidates, counts.tolist()))
+
+    def wants_proposals(self, candidates: list[str]) -> bool:
+        """Whether the worker proposes drafts after this step, for the next one: `candidates`, the
+        sequences that sample in this step and may speculate, are the next step's decodes; proposals
+        are asked for when drafts would pay for them there, or when a probe is due."""
+        if not candidates:
+            return False
+        if not self.adaptive:
+            return True
+        B = len(candidates)
+        if self._best(np.array([self.acceptance(r) for r in candidates]), B, B).any():
+            return True
+        if self._idle >= PROBE_EVERY and self._best(np.full(B, PROBE_ACCEPT), B, B).any():
             self._idle = 0
             self._probing = True
-            return plan, True
-        return plan, False
+            return True
+        return False
 
 
 def may_speculate(request) -> bool:
@@ -141,7 +151,14 @@ def may_speculate(request) -> bool:
     return params.allows_speculation and len(request.output_token_ids) >= params.min_tokens
 
 
-def plan_step(controller: SpecController, running, budget: int) -> tuple[dict[str, int], bool]:
+def propose_next(controller: SpecController, scheduled) -> bool:
+    """Whether the worker proposes after this step: over the step's (request, tokens) that sample in
+    it (a prompt's last chunk included: speculation starts right after the prompt)."""
+    return controller.wants_proposals([r.request_id for r, n in scheduled
+                                       if r.num_computed_tokens + n >= r.num_tokens and may_speculate(r)])
+
+
+def plan_step(controller: SpecController, running, budget: int) -> dict[str, int]:
     """The controller's plan for a step over the running requests (before the waiting ones are
     admitted: new prompts' tokens are not counted)."""
     candidates, base, emitting = [], 0, 0

@@ -60,31 +60,31 @@ def test_estimates_are_geometric_and_lean_on_the_global_prior():
 
 def test_drafts_follow_acceptance_and_batch():
     c = with_global(ctl(), 0.73)  # acceptance length ~3.0 at k = 4 (1 + a + a^2 + a^3 + a^4)
-    assert c.plan(["a"], 1, 1) == ({"a": 4}, True)
-    plan, propose = c.plan(ids(16), 16, 16)
-    assert set(plan.values()) == {3} and propose  # the 4th draft (0.28 tokens) no longer pays
-    plan, _ = c.plan(ids(64), 64, 64)
+    assert c.plan(["a"], 1, 1) == {"a": 4} and c.wants_proposals(["a"])
+    plan = c.plan(ids(16), 16, 16)
+    assert set(plan.values()) == {3}  # the 4th draft (0.28 tokens) no longer pays
+    plan = c.plan(ids(64), 64, 64)
     assert set(plan.values()) == {1}
     assert expected_speedup(c, 0.73, list(plan.values()), 64) > 1.1
-    assert c.plan(ids(256), 256, 256) == (dict.fromkeys(ids(256), 0), False)  # it turns off
+    assert c.plan(ids(256), 256, 256) == dict.fromkeys(ids(256), 0)  # it turns off
+    assert not c.wants_proposals(ids(256)) and c.wants_proposals(ids(64))
     # a long prefill chunk in the same step: the step is slow anyway, drafts add little to it
-    assert set(c.plan(ids(16), 16 + 2000, 16)[0].values()) == {4}
+    assert set(c.plan(ids(16), 16 + 2000, 16).values()) == {4}
 
 
 def test_low_acceptance_at_batch_1_keeps_few_drafts_and_zero_turns_off():
     c = with_global(ctl(), 0.168)  # acceptance length 1.2 at k = 4
-    plan, propose = c.plan(["a"], 1, 1)
-    assert plan == {"a": 2} and propose
+    assert c.plan(["a"], 1, 1) == {"a": 2} and c.wants_proposals(["a"])
     assert expected_speedup(c, 0.168, [2], 1) > 1.0
     c = with_global(ctl(), 0.0)
-    assert c.plan(["a"], 1, 1) == ({"a": 0}, False)
+    assert c.plan(["a"], 1, 1) == {"a": 0} and not c.wants_proposals(["a"])
     # mixed: the request that copies its prompt speculates fully, the other one at most once (the
     # verify's overhead is paid for by the first)
     c = with_global(ctl(), 0.3)
     for _ in range(10):
         c.observe("good", 4, 4)
         c.observe("bad", 4, 0)
-    plan, _ = c.plan(["good", "bad"], 2, 2)
+    plan = c.plan(["good", "bad"], 2, 2)
     assert plan["good"] == 4 and plan["bad"] <= 1
     assert c.acceptance("bad") < 0.25 < 0.9 < c.acceptance("good")
 
@@ -92,20 +92,26 @@ def test_low_acceptance_at_batch_1_keeps_few_drafts_and_zero_turns_off():
 def test_probes_after_idle_steps_while_drafts_could_pay():
     c = with_global(ctl(), 0.0)
     for _ in range(sc.PROBE_EVERY - 1):
-        assert c.plan(["a", "b"], 2, 2) == ({"a": 0, "b": 0}, False)
-    assert c.plan(["a", "b"], 2, 2) == ({"a": 0, "b": 0}, True)  # proposals asked for
-    assert c.plan(["a", "b"], 2, 2) == ({"a": sc.PROBE_DRAFTS, "b": sc.PROBE_DRAFTS}, False)  # and verified
+        assert c.plan(["a", "b"], 2, 2) == {"a": 0, "b": 0} and not c.wants_proposals(["a", "b"])
+    assert c.plan(["a", "b"], 2, 2) == {"a": 0, "b": 0} and c.wants_proposals(["a", "b"])  # asked for
+    assert c.plan(["a", "b"], 2, 2) == {"a": sc.PROBE_DRAFTS, "b": sc.PROBE_DRAFTS}  # and verified
+    assert not c.wants_proposals(["a", "b"])
+    for _ in range(sc.PROBE_EVERY - 1):  # the next probe: PROBE_EVERY steps later
+        assert c.plan(["a", "b"], 2, 2) == {"a": 0, "b": 0} and not c.wants_proposals(["a", "b"])
+    assert c.plan(["a", "b"], 2, 2) == {"a": 0, "b": 0} and c.wants_proposals(["a", "b"])
     big = with_global(ctl(), 0.0)
     for _ in range(3 * sc.PROBE_EVERY):  # a batch where even PROBE_ACCEPT would not pay: never probed
-        assert big.plan(ids(512), 512, 512)[1] is False
+        big.plan(ids(512), 512, 512)
+        assert not big.wants_proposals(ids(512))
 
 
 def test_constants_overridable_and_not_adaptive():
     a = 0.168
-    assert with_global(ctl(adaptive_verify_overhead=0.5), a).plan(["a"], 1, 1)[0] == {"a": 0}
-    assert with_global(ctl(adaptive_verify_overhead=0.0, adaptive_knee_tokens=4096), a).plan(["a"], 1, 1)[0] == {"a": 4}
-    assert set(with_global(ctl(adaptive_knee_tokens=4096), 0.73).plan(ids(256), 256, 256)[0].values()) == {4}
-    assert ctl(adaptive=False).plan(ids(300), 300, 300) == (dict.fromkeys(ids(300), 4), True)
+    assert with_global(ctl(adaptive_verify_overhead=0.5), a).plan(["a"], 1, 1) == {"a": 0}
+    assert with_global(ctl(adaptive_verify_overhead=0.0, adaptive_knee_tokens=4096), a).plan(["a"], 1, 1) == {"a": 4}
+    assert set(with_global(ctl(adaptive_knee_tokens=4096), 0.73).plan(ids(256), 256, 256).values()) == {4}
+    fixed = ctl(adaptive=False)
+    assert fixed.plan(ids(300), 300, 300) == dict.fromkeys(ids(300), 4) and fixed.wants_proposals(ids(300))
     for bad in ({"adaptive": 1}, {"adaptive_knee_tokens": 0}, {"adaptive_verify_overhead": -1}):
         with pytest.raises(ValueError, match="adaptive"):
             SpeculativeConfig("ngram", 4, **bad)
@@ -116,8 +122,8 @@ def test_scheduler_follows_the_plan():
     sched, _ = make(k=4, adaptive=True)
     a = req("a", 6)
     sched.add_request(a)
-    out = run(sched, {"a": [7]}, {"a": [20, 21, 22, 23]})  # prefill: not decoding yet, no plan
-    assert not out.spec_propose
+    out = run(sched, {"a": [7]}, {"a": [20, 21, 22, 23]})  # prefill: proposals asked for right after it
+    assert out.spec_propose and not out.spec_token_ids
     out = run(sched, {"a": [20, 21, 22, 23, 24]}, {"a": [1, 1, 1, 1]})  # prior 0.5 at batch 1: all 4
     assert out.spec_token_ids == {"a": [20, 21, 22, 23]} and out.spec_propose
     for _ in range(30):  # everything rejected from now on: the plan backs off to plain decode
