@@ -201,7 +201,9 @@ class LoRAConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's keys of --speculative-config that splitserve reads; any other key is an error at start-up.
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                     "draft_tensor_parallel_size", "disable_by_batch_size")
+                     "draft_tensor_parallel_size", "disable_by_batch_size",
+                     # splitserve's own: the adaptive draft count (core/spec_control.py)
+                     "adaptive", "adaptive_knee_tokens", "adaptive_verify_overhead")
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,13 @@ class SpeculativeConfig:
     # No drafts in a step whose running batch has at least this many sequences (speculation costs
     # more than it saves on a loaded server). None: always speculate.
     disable_by_batch_size: int | None = None
+    # Adaptive draft count (core/spec_control.py): per step, each sequence verifies as many drafts as
+    # its measured acceptance pays for under the step cost model 1 + tokens / adaptive_knee_tokens
+    # (in plain batch-1 decode steps) plus adaptive_verify_overhead for a step that verifies; 0 drafts
+    # when none pays. False: always up to num_speculative_tokens.
+    adaptive: bool = True
+    adaptive_knee_tokens: float = 64.0
+    adaptive_verify_overhead: float = 0.1
     # Filled by the config builder for draft_model: the draft's loading.resolve.ModelSource and config.
     draft_source: Any = None
     draft_hf_config: Any = None  # (eagle / eagle3: the head's models.eagle.HeadInfo)
@@ -240,6 +249,13 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         _require(b is None or (isinstance(b, int) and b >= 2),
                  f"speculative_config: disable_by_batch_size must be an integer >= 2, got {b!r}")
+        _require(isinstance(self.adaptive, bool),
+                 f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
+        knee, over = self.adaptive_knee_tokens, self.adaptive_verify_overhead
+        _require(isinstance(knee, (int, float)) and not isinstance(knee, bool) and knee > 0,
+                 f"speculative_config: adaptive_knee_tokens must be a number > 0, got {knee!r}")
+        _require(isinstance(over, (int, float)) and not isinstance(over, bool) and 0 <= over,
+                 f"speculative_config: adaptive_verify_overhead must be a number >= 0, got {over!r}")
 
     @classmethod
     def parse(cls, value: "str | dict") -> "SpeculativeConfig":

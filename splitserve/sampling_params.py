@@ -257,9 +257,9 @@ class SamplingParams:
     @property
     def allows_speculation(self) -> bool:
         """Whether drafts may be verified for this request: its logits do not depend on earlier
-        tokens on the host (penalties, bad words), nor on a grammar state (structured outputs:
-        speculation is off for those requests)."""
-        return not (self.needs_penalties or self.bad_words or self.structured_outputs is not None)
+        tokens on the host (penalties, bad words). A grammar's request may: its drafts are checked
+        by its grammar and each verify row gets the grammar's mask after the drafts before it."""
+        return not (self.needs_penalties or self.bad_words)
 
     def replace_valid(self, **changes) -> "SamplingParams":
         """A copy with `changes`, not validated again: only for changes that keep valid params valid

@@ -70,7 +70,8 @@ def _structured_manager(config: EngineConfig):
     load = config.load
     loader = functools.partial(load_serving_tokenizer, load.source, load.tokenizer_source, load.random_weights)
     m = config.model
-    if config.structured_outputs_fill == "inline":
+    # Speculative decoding checks drafts against the matchers while scheduling: they live here then.
+    if config.structured_outputs_fill == "inline" or config.speculative is not None:
         return StructuredOutputManager(m.vocab_size, m.eos_token_ids, loader)
     manager = GrammarProcessManager(m.vocab_size, m.eos_token_ids, loader, max_rows=config.scheduler.max_num_seqs)
     if config.device.startswith("cuda"):  # on CPU the model's threads use every core: no head start there
@@ -281,7 +282,7 @@ class EngineCore:
                 # Worker processes get the masks with the step: their matchers have seen every token
                 # (a step where they sampled is collected before this one is scheduled).
                 sched.grammar = GrammarBitmask([r.request_id for r in constrained],
-                                               self.structured.fill_bitmask(constrained))
+                                               self.structured.fill_bitmask(constrained, sched.spec_token_ids))
             try:
                 launched = self.executor.launch(sched, inflight)
             except RanksLostError as exc:
@@ -335,7 +336,7 @@ class EngineCore:
         its sampler."""
         launched = self._inflight
         try:
-            self.executor.sample(launched, self.structured.fill_bitmask(constrained))
+            self.executor.sample(launched, self.structured.fill_bitmask(constrained, launched.sched.spec_token_ids))
         except Exception as exc:
             self._inflight = None
             return self._fail_step(launched.sched, exc)

@@ -64,6 +64,7 @@ import time
 from splitserve.config import SchedulerConfig
 from splitserve.core.kv_cache_manager import KVCacheManager
 from splitserve.core.request_queue import make_waiting_queue
+from splitserve.core.spec_control import SpecController, may_speculate, plan_step, propose_next
 from splitserve.protocol.sched_output import NewRequestData, ResumedRequestData, SchedulerOutput
 from splitserve.core.request import Request, RequestStatus
 from splitserve.ttft_trace import baseline as ttft_baseline
@@ -81,6 +82,8 @@ class Scheduler:
         # accepted ones, and accepted drafts by position.
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
+        # Drafts per sequence and step from measured acceptance and the batch (core/spec_control.py).
+        self.spec_control = SpecController(spec) if spec is not None else None
         self.kv = kv_manager
         self.structured = structured  # StructuredOutputManager, or None (no constrained requests)
         self.lora = lora  # lora.manager.LoRAManager, or None (LoRA not enabled)
@@ -139,6 +142,9 @@ class Scheduler:
         speculating = spec is not None and (spec.disable_by_batch_size is None
                                             or len(self.running) < spec.disable_by_batch_size)
         lookahead = spec.lookahead_slots if spec is not None else 0
+        spec_plan = {}
+        if speculating:
+            spec_plan = plan_step(self.spec_control, self.running, budget)
 
         i = 0
         reserve = None  # for the waiting queue's short head, once a chunked prompt is met (_reserve)
@@ -156,7 +162,7 @@ class Scheduler:
             drafts = []
             if spec is not None:
                 if speculating:
-                    drafts = self._drafts(request, n, budget)
+                    drafts = self._drafts(request, n, budget, spec_plan.get(request.request_id, 0))
                     n += len(drafts)
                 request.spec_token_ids = []  # used now or never: the next step's come with this one's results
             while not self.kv.allocate_slots(request, n + self._lookahead(request, n, lookahead) if lookahead else n):
@@ -257,6 +263,8 @@ class Scheduler:
             out.lora_loads = self.lora.take_loads()
         if scheduled:
             self._steps[out.step_id] = scheduled
+            if speculating:
+                out.spec_propose = propose_next(self.spec_control, scheduled)
         return out
 
     def _decodes_after(self, i: int) -> int:
@@ -365,19 +373,23 @@ class Scheduler:
                 out.mm_prefetch[request.request_id] = request.mm_items
                 left -= sum(item.num_tokens for item in request.mm_items)
 
-    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+    def _drafts(self, request: Request, n: int, budget: int, planned: int) -> list[int]:
         """The drafts a running request verifies this step: only while decoding (one token to
-        compute, none in flight), as many as the budget, max_tokens and the context leave room for
-        (the accepted ones plus one more token must fit)."""
+        compute, none in flight), as many as the controller's plan (`planned`), the budget,
+        max_tokens and the context leave room for (the accepted ones plus one more token must fit)."""
         proposed = request.spec_token_ids
         params = request.sampling_params
-        if (not proposed or n != 1 or request.num_pending or request.grammar is not None
-                or not params.allows_speculation or len(request.output_token_ids) < params.min_tokens):
+        if not proposed or n != 1 or request.num_pending or not may_speculate(request):
             return []
-        room = min(self.spec.num_speculative_tokens, budget - n, request.max_total_tokens - request.num_tokens - 1)
+        room = min(planned, budget - n, request.max_total_tokens - request.num_tokens - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        return proposed[:max(room, 0)]
+        drafts = proposed[:max(room, 0)]
+        if drafts and request.grammar is not None:
+            # Up to the first draft its grammar refuses, included: that row's mask makes the target
+            # reject it (dropping it instead would bias a sampled draft model's exact verification).
+            drafts = drafts[:self.structured.valid_drafts(request, drafts) + 1]
+        return drafts
 
     @staticmethod
     def _lookahead(request: Request, num_after: int, lookahead: int) -> int:
@@ -424,8 +436,9 @@ class Scheduler:
 
     @staticmethod
     def samples_after(request: Request, num_tokens: int) -> bool:
-        """Whether a request scheduled for num_tokens samples in that step (asked before `advance`)."""
-        return request.num_computed_tokens + num_tokens == request.num_tokens
+        """Whether a request scheduled for num_tokens samples in that step (asked before `advance`;
+        a verifying request's num_tokens includes its drafts)."""
+        return request.num_computed_tokens + num_tokens >= request.num_tokens
 
     @staticmethod
     def _at_length_limit(request: Request) -> bool:
@@ -469,8 +482,9 @@ class Scheduler:
         # is read after the other requests are done, so the answer's wait overlaps their work.
         ended, grammar_ended = None, {}
         if self.structured is not None and self.structured.live:
-            pairs = [(r, sampled[r.request_id]) for r, _ in steps
-                     if r.grammar is not None and not r.is_finished and r.request_id in sampled]
+            pairs = [(r, sampled[r.request_id]) for r, _ in steps  # (verifying ones: _take_verified)
+                     if r.grammar is not None and not r.is_finished and r.request_id in sampled
+                     and r.request_id not in spec]
             if pairs:
                 ended = self.structured.accept_tokens_later(pairs)
         constrained = []
@@ -522,6 +536,7 @@ class Scheduler:
         after it and the token after them are appended one by one under the stop rules (what follows
         a stop is dropped), and its computed count goes back by the rejected drafts."""
         num_accepted = len(more)
+        self.spec_control.observe(request.request_id, len(drafts), num_accepted)
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(drafts)
         self.spec_num_accepted_tokens += num_accepted
@@ -529,13 +544,21 @@ class Scheduler:
             self.spec_accepted_per_pos[j] += 1
         if holds_blocks:
             request.num_computed_tokens -= len(drafts) - num_accepted
-        self._check_stop(request, token)
+        self._check_verified_stop(request, token)
         for t in more:
             if request.is_finished:
                 break
             request.output_token_ids.append(t)
             request.num_new_tokens += 1
-            self._check_stop(request, t)
+            self._check_verified_stop(request, t)
+
+    def _check_verified_stop(self, request: Request, token: int) -> None:
+        """The stop rules for one token of an accepted run; a constrained request's grammar takes
+        the token first (only the emitted tokens reach its matcher: nothing to roll back)."""
+        if request.grammar is not None and self.structured.accept_token(request, token):
+            request.status = RequestStatus.FINISHED_STOPPED  # its grammar is complete (or refused it)
+        else:
+            self._check_stop(request, token)
 
     def fail_step(self, out: SchedulerOutput, status: RequestStatus, launched: bool) -> list[Request]:
         """Ends the requests of a step that failed (at launch, or when its results were read). A
@@ -609,6 +632,8 @@ class Scheduler:
         if request.lora_pinned:
             self.lora.unpin(request)
         self.requests.pop(request.request_id, None)
+        if self.spec_control is not None:
+            self.spec_control.forget(request.request_id)
         if request.grammar is not None:
             self.structured.release(request)
         if request.in_worker or request.mm_announced:  # (announced: the worker may hold its images)

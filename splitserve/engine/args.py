@@ -117,7 +117,9 @@ class EngineArgs(CliOptions):
              "\"eagle\" for EAGLE-1 heads) or "
              "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' (a small model "
              "with the same tokenizer); optional \"disable_by_batch_size\": no drafts in steps with that many "
-             "running sequences. LLM() also takes a dict")
+             "running sequences; drafts per sequence follow measured acceptance and batch size unless "
+             "\"adaptive\": false (cost model: \"adaptive_knee_tokens\", \"adaptive_verify_overhead\"). "
+             "LLM() also takes a dict")
     # -- parallelism (executor/: one worker process per device when the world is larger than 1) --
     tensor_parallel_size: int = option(
         1, aliases=("-tp",), help="devices each layer is split across (one worker process each)")

@@ -93,9 +93,11 @@ def speculative_options(args, hf_config, max_model_len: int) -> SpeculativeConfi
     if args.speculative_config is None:
         return None
     spec = SpeculativeConfig.parse(args.speculative_config)
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-        raise ValueError("speculative_config: speculative decoding runs with one rank only for now "
-                         "(tensor_parallel_size = pipeline_parallel_size = 1)")
+    # Tensor parallelism: every rank proposes the same n-gram drafts from its own copy of the tokens;
+    # the sampling rank verifies and broadcasts the outcome (executor/rank_worker.py).
+    if args.pipeline_parallel_size > 1 or (args.tensor_parallel_size > 1 and spec.method != "ngram"):
+        raise ValueError("speculative_config: speculative decoding runs with pipeline_parallel_size 1, and "
+                         "with tensor_parallel_size > 1 for method ngram only for now")
     if spec.method != "draft_model":
         return spec
     from dataclasses import replace

@@ -164,7 +164,8 @@ class _RemoteStep:
 
     def __init__(self, sched, step_no: int):
         self.sched, self.step_no = sched, step_no
-        self.needs_sync = sched.grammar is not None
+        # (speculative decoding: a verify step's tokens and drafts decide the next step's inputs)
+        self.needs_sync = sched.grammar is not None or sched.spec_propose or bool(sched.spec_token_ids)
 
 
 def _kv_free_window(hf_config) -> int | None:
@@ -312,7 +313,10 @@ class MultiprocExecutor:
                 msg = self._decoder.decode(self.pull.recv(copy=False).buffer)
                 if isinstance(msg, StepDone):
                     if msg.step_no == step.step_no:
-                        return StepResult(msg.tokens, msg.logprobs, msg.logprob_ranks)
+                        return StepResult(msg.tokens, msg.logprobs, msg.logprob_ranks,
+                                          more_tokens=msg.more_tokens, more_logprobs=msg.more_logprobs,
+                                          more_logprob_ranks=msg.more_logprob_ranks,
+                                          draft_token_ids=msg.draft_token_ids)
                     if msg.step_no < step.step_no:
                         continue  # a step whose wait was given up on
                     self._lose(f"the sampling rank answered step {msg.step_no} while step {step.step_no} was awaited")

@@ -102,11 +102,15 @@ class StageRunner(ModelRunner):
             self.encdec.prepare(sched, batch.meta, self.input_batch)
         if self.mm is not None and batch.mm_spans and self.pp.is_first:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
-        step = InFlightStep(sched, batch.sample_requests, step_no)
+        # (speculative decoding: drafts proposed on the sampling rank only, whose answer the core reads)
+        step = InFlightStep(sched, batch.sample_requests, step_no, verify=batch.verify, drafts=batch.drafts,
+                            propose=self.samples and self._proposes(batch, sched))
         logits = self._stage_logits(batch)
         num_samples = len(batch.sample_requests)
         if num_samples == 0:
             return step
+        if batch.verify is not None:
+            return self._verify(step, logits, batch, num_samples)
         if self.samples:
             out = self.sampler(logits, batch.sampling_metadata)
             token_ids, rest = out.token_ids, (out.logprobs, out.logprob_ids, out.logprob_ranks)
@@ -115,6 +119,23 @@ class StageRunner(ModelRunner):
         dist.broadcast(token_ids, self.sampler_rank)
         step.token_ids = token_ids
         step.host = tuple(x.to("cpu") if x is not None else None for x in (token_ids, *rest))
+        return step
+
+
+    def _verify(self, step: InFlightStep, logits, batch, num_samples: int) -> InFlightStep:
+        """A verify step: the sampling rank decides (layers/rejection_sampler.py; n-gram drafts, so no
+        q) and broadcasts each sequence's first token, accepted count and next token to every rank,
+        which records them at collect (worker/spec_decode.collect_verified)."""
+        if self.samples:
+            out = self.verifier(logits, batch.sampling_metadata, batch.verify, None)
+            packed = torch.stack([out.first_token, out.num_accepted, out.next_token])
+            rest = (out.logprobs, out.logprob_ids, out.logprob_ranks)
+        else:
+            packed, rest = torch.empty((3, num_samples), dtype=torch.long, device=self.device), (None, None, None)
+        dist.broadcast(packed, self.sampler_rank)
+        step.token_ids = packed[0]
+        host = packed.to("cpu")
+        step.host = (host[0], *(x.to("cpu") if x is not None else None for x in rest), host[1], host[2])
         return step
 
 
@@ -271,7 +292,8 @@ def rank_loop(ctx: zmq.Context, config: EngineConfig, rank: int, local_rank: int
                 result = worker.run(msg.sched)
                 if worker.runner.samples:
                     push.send(encode(StepDone(worker.runner.num_launched - 1, result.tokens, result.logprobs,
-                                              result.logprob_ranks)))
+                                              result.logprob_ranks, result.more_tokens, result.more_logprobs,
+                                              result.more_logprob_ranks, result.draft_token_ids)))
             elif isinstance(msg, UpdateStates):
                 worker.runner.update_states(msg.sched)
             elif isinstance(msg, StartKV):

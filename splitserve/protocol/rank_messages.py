@@ -49,6 +49,11 @@ class StepDone(msgspec.Struct, array_like=True, tag=True):
     tokens: dict[str, int]
     logprobs: dict[str, dict[int, float]] = {}
     logprob_ranks: dict[str, int] = {}
+    # Speculative decoding (worker/model_runner.StepResult's fields of the same names).
+    more_tokens: dict[str, list[int]] = {}
+    more_logprobs: dict[str, list[dict[int, float]]] = {}
+    more_logprob_ranks: dict[str, list[int]] = {}
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class RankFailed(msgspec.Struct, array_like=True, tag=True):

@@ -104,6 +104,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Speculative decoding: the draft tokens each verifying request runs after its last token (they
     # count in its num_scheduled_tokens); the worker proposed them at the end of an earlier step.
     spec_token_ids: dict[str, list[int]] = {}
+    # Whether the worker proposes drafts from this step's tokens (for the next step): the scheduler's
+    # adaptive plan (core/spec_control.py); proposing makes the step collected before the next launch.
+    spec_propose: bool = False
 
     @property
     def is_empty(self) -> bool:

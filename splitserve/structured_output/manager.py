@@ -180,16 +180,50 @@ class StructuredOutputManager:
                 requests.append(request)
         return requests
 
-    def fill_bitmask(self, requests: list) -> torch.Tensor:
+    def valid_drafts(self, request, drafts: list[int]) -> int:
+        """Speculative decoding: how many of a request's drafts (a prefix) its grammar accepts from
+        its current state; the matcher is rolled back to that state afterwards."""
+        matcher = request.grammar.matcher
+        n = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
+
+    def fill_bitmask(self, requests: list, drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
         """The masks of `requests` (row i for requests[i]). A request that ended since it was
         scheduled (its last token finished it, or it was aborted) gets an all-allowed row: what it
-        samples in this step is discarded."""
-        bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
+        samples in this step is discarded. Speculative decoding (`drafts`: the step's drafts by
+        request id): a verifying request has d + 1 consecutive rows, row j the mask after its first
+        j drafts (the grammar accepted them when they were scheduled: `valid_drafts`)."""
+        drafts = drafts or {}
+        num_rows = [1 + len(drafts.get(r.request_id, ())) for r in requests]
+        bitmask = torch.full((sum(num_rows), self.bitmask_words), -1, dtype=torch.int32)
         rows, matchers = [], []
-        for i, request in enumerate(requests):
-            if not request.is_finished and not request.grammar.matcher.is_terminated():
-                rows.append(i)
-                matchers.append(request.grammar.matcher)
+        row = 0
+        for request, n in zip(requests, num_rows):
+            matcher = request.grammar.matcher
+            if n > 1 and not request.is_finished:
+                accepted = 0
+                for j, token in enumerate(drafts[request.request_id]):
+                    if matcher.is_terminated():
+                        break
+                    matcher.fill_next_token_bitmask(bitmask, row + j)
+                    if not matcher.accept_token(token):  # (checked when scheduled: not expected)
+                        break
+                    accepted += 1
+                else:
+                    if not matcher.is_terminated():
+                        matcher.fill_next_token_bitmask(bitmask, row + n - 1)
+                if accepted:
+                    matcher.rollback(accepted)
+            elif not request.is_finished and not matcher.is_terminated():
+                rows.append(row)
+                matchers.append(matcher)
+            row += n
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         elif matchers:

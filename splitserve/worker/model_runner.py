@@ -505,7 +505,7 @@ class ModelRunner:
         if self.mm is not None and batch.mm_spans:
             batch.inputs_embeds = self.mm.step_embeddings(batch.mm_spans, batch.input_ids)
         step = InFlightStep(sched, batch.sample_requests, step_no, verify=batch.verify, drafts=batch.drafts,
-                            propose=self._proposes(batch))
+                            propose=self._proposes(batch, sched))
         logits = self._forward_logits(batch)
         if getattr(self.drafter, "uses_target_hidden", False):  # an EAGLE head: its cache is filled at collect
             step.eagle = self.drafter.keep(self.input_batch, sched, batch)
@@ -540,12 +540,10 @@ class ModelRunner:
         self._sample(step, logits, meta)
         self._record_done(step)
 
-    def _proposes(self, batch: ForwardBatch) -> bool:
-        """Whether drafts are proposed from this step's tokens: speculation is on and the running
-        batch is below disable_by_batch_size (the scheduler makes the same cut)."""
-        spec = self.spec
-        return (spec is not None and bool(batch.sample_requests)
-                and (spec.disable_by_batch_size is None or self.input_batch.num_reqs < spec.disable_by_batch_size))
+    def _proposes(self, batch: ForwardBatch, sched: SchedulerOutput) -> bool:
+        """Whether drafts are proposed from this step's tokens: the scheduler's plan asks for them
+        (speculation on, below disable_by_batch_size, and drafts expected to pay: core/spec_control.py)."""
+        return self.spec is not None and bool(batch.sample_requests) and sched.spec_propose
 
     def _sample(self, step: InFlightStep, logits: torch.Tensor, meta) -> None:
         if step.verify is not None:

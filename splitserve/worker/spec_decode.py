@@ -94,9 +94,10 @@ def write_drafts(ib, spec_token_ids: dict[str, list[int]], req_ids, rows: np.nda
 
 def expand_metadata(meta: SamplingMetadata, repeats: np.ndarray) -> SamplingMetadata:
     """Sampling data of a verify step's logits rows: sequence i's parameters over repeats[i]
-    consecutive rows (its drafts + 1). Sequences with penalties, several-token bad words, grammars
-    or min_tokens bans have no drafts (SamplingParams.allows_speculation, the scheduler's checks), so
-    their per-row lists only move to the sequence's first row."""
+    consecutive rows (its drafts + 1). Sequences with penalties, several-token bad words or
+    min_tokens bans have no drafts (SamplingParams.allows_speculation, the scheduler's checks), so
+    their per-row lists only move to the sequence's first row. A constrained sequence's mask rows
+    cover all its rows (the core filled d + 1 for it: row j, its grammar after j drafts)."""
     starts = np.zeros(len(repeats), dtype=np.int64)
     np.cumsum(repeats[:-1], out=starts[1:])
     R = int(repeats.sum())
@@ -126,7 +127,8 @@ def expand_metadata(meta: SamplingMetadata, repeats: np.ndarray) -> SamplingMeta
         out.allowed_rows, src = rows_of(meta.allowed_rows)
         out.allowed_token_ids = meta.allowed_token_ids[src]
     if meta.grammar_rows is not None:
-        out.grammar_rows, out.grammar_bitmask = starts[meta.grammar_rows], meta.grammar_bitmask
+        out.grammar_rows, _ = rows_of(meta.grammar_rows)
+        out.grammar_bitmask = meta.grammar_bitmask
     return out
 
 

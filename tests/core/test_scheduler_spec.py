@@ -15,6 +15,7 @@ EOS = 2
 
 def make(num_blocks=100, block_size=4, budget=100, max_seqs=10, caching=True, k=3, method="ngram", **spec):
     kv = KVCacheManager(num_blocks, block_size, caching)
+    spec.setdefault("adaptive", False)  # a fixed k here; the adaptive plan: tests/core/test_spec_control.py
     cfg = SpeculativeConfig(method, k, model="draft" if method == "draft_model" else None, **spec)
     return Scheduler(SchedulerConfig(max_seqs, budget), kv, spec=cfg), kv
 

@@ -1,5 +1,5 @@
-"""`splitserve serve --speculative-config` (n-gram): concurrent streamed greedy chats give the same text
-as a server without speculation, drafts are accepted (/metrics, both metric names)."""
+"""`splitserve serve --speculative-config` (n-gram): 32 concurrent streamed greedy chats (over 8 sequence
+slots) give the same text as a server without speculation, drafts are accepted (/metrics, both metric names)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from tests.e2e.conftest import DEFAULT_ARGS, ServerProcess, metric_value
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 SERVER_ARGS = ["--speculative-config", json.dumps(NGRAM), "--metrics-compat", "vllm"]
 TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
-CHATS = [[{"role": "user", "content": f"Repeat exactly, {i + 1} time(s): '{TEXT}'"}] for i in range(8)]
+CHATS = [[{"role": "user", "content": f"Repeat exactly, {i + 1} time(s): '{TEXT}'"}] for i in range(32)]
 
 
 @pytest.fixture(scope="module")

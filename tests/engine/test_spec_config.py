@@ -37,6 +37,11 @@ def test_engine_config_carries_it_and_checks_the_draft():
     cfg = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, device="cpu",
                      max_model_len=256).create_engine_config()
     assert cfg.speculative.method == "ngram" and cfg.speculative.num_speculative_tokens == 3
-    with pytest.raises(ValueError, match="one rank"):
+    assert EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}', device="cpu",
+                      max_model_len=256, tensor_parallel_size=2).create_engine_config().speculative.method == "ngram"
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
         EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}', device="cpu",
-                   tensor_parallel_size=2).create_engine_config()
+                   max_model_len=256, pipeline_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="method ngram only"):
+        EngineArgs(speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3},
+                   device="cpu", max_model_len=256, tensor_parallel_size=2).create_engine_config()

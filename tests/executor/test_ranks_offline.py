@@ -132,6 +132,28 @@ def test_seeded_sampling_with_two_ranks_equals_one(tiny_dir):
     assert_no_processes_left()
 
 
+def test_ngram_speculation_with_two_ranks_equals_one_without(tmp_path):
+    """TP=2 with n-gram drafts (the sampling rank verifies and broadcasts the outcome; async
+    scheduling on; a fixed k so that every step verifies): greedy tokens and logprobs equal one
+    process without speculation. A 32-token vocabulary, so that the random model repeats itself and
+    drafts are accepted."""
+    path = make_tiny_llama_dir(tmp_path, load_tokenizer(None), num_kv_heads=2, tie=False, num_attention_heads=8,
+                               seed=5, vocab_size=32)
+    prompts = [{"prompt_token_ids": p} for p in ([1, 4, 22, 30] * 3, [1, 5, 7, 28, 9, 3] * 3, [1, 7, 8, 9, 10] * 3)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    one = [o.outputs[0] for o in LLM(path, **SMALL).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, tensor_parallel_size=2, async_scheduling=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}, **SMALL)
+    two = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    accepted = llm.engine.core.scheduler.spec_num_accepted_tokens
+    llm.engine.core.shutdown()
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(two, one):
+        assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
+    assert accepted > 0
+    assert_no_processes_left()
+
+
 @pytest.mark.parametrize("kind,expected", [
     ("exit", "rank 1 exited with code 3"),
     ("hang", "no answer to step"),

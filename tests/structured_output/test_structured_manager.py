@@ -103,3 +103,33 @@ def test_rows_of_requests_that_ended_since_scheduling_allow_everything(tokenizer
         bitmask = manager.fill_bitmask(order)
         for row, r in zip(bitmask, order):
             assert allowed(row, vocab) == (digits if r is live else set(range(vocab)))
+
+
+def test_drafts_checked_and_masked_row_by_row_then_rolled_back(tokenizer):
+    """Speculative decoding: the grammar takes a prefix of the drafts (up to the first it refuses);
+    a verifying request's d + 1 rows hold the masks after 0..d drafts; the matcher is back where it
+    was after both (rollback), and a plain request in the same fill keeps one row."""
+    vocab = len(tokenizer)
+    manager = StructuredOutputManager(vocab, (2,), lambda: tokenizer)
+    digits, other = request("d", regex="[0-9]{3}"), request("o", regex="[0-9]{3}")
+    for r in (digits, other):
+        manager.register(r)
+        wait_ready(manager, r)
+    digit = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "123"]
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert manager.valid_drafts(digits, digit + [2]) == 4  # three digits, then the stop token
+    assert manager.valid_drafts(digits, [digit[0], letter, digit[1]]) == 1
+    assert manager.valid_drafts(digits, [letter]) == 0
+    bitmask = manager.fill_bitmask([other, digits], {"d": [digit[0], digit[1], letter]})
+    assert bitmask.shape == (1 + 4, manager.bitmask_words)
+    one_digit = allowed(bitmask[0], vocab)  # "o": its one row
+    assert 2 not in one_digit and digit[0] in one_digit
+    assert allowed(bitmask[1], vocab) == allowed(bitmask[2], vocab) == one_digit  # after 0 and 1 digit
+    after_two = allowed(bitmask[3], vocab)
+    assert digit[2] in after_two and letter not in after_two  # the row that rejects the letter
+    # rolled back: the same masks again, and the grammar still wants three digits
+    again = manager.fill_bitmask([digits], {"d": [digit[0], digit[1], letter]})
+    assert torch.equal(again, bitmask[1:])
+    for t in digit:
+        assert not manager.accept_token(digits, t)
+    assert manager.accept_token(digits, 2)
