@@ -49,8 +49,9 @@ def servers():
         "decode": wide + _tcp("kv_consumer", kv_connector_extra_config={"kv_load_timeout": 3}),
         "decode_fail": wide + _tcp("kv_consumer", kv_load_failure_policy="fail",
                                    kv_connector_extra_config={"kv_load_timeout": 3}),
-        # 16 blocks of 16 tokens: a conversation of ~150 tokens and a ~230-token filler evict each other.
-        "offload": ["--kv-offload-gb", "0.05", "--num-blocks", "16", "--max-model-len", "256"],
+        # 48 blocks of 16 tokens: a 20-turn conversation (up to ~550 tokens) and a ~600-token filler
+        # evict each other; host memory keeps both.
+        "offload": ["--kv-offload-gb", "0.2", "--num-blocks", "48", "--max-model-len", "768"],
     }
     procs = {}
     try:
@@ -278,20 +279,21 @@ def test_prefill_killed_recompute_completes_and_fail_errors_clearly(servers):
 
 
 def test_offloading_multi_turn_chat_hits_host_memory_with_the_same_text(servers):
-    """A conversation whose prefix a filler request evicts from a 16-block pool between turns: the
-    offload server finds it in host memory, and answers as a server with a large pool does."""
+    """A 20-turn conversation whose prefix a filler request evicts from a 48-block pool after every
+    turn: the offload server finds it in host memory each time, and answers as a server with a large
+    pool and no offload does."""
     small, big = servers["offload"], servers["decode"]
 
-    def filler(i: int) -> dict:  # ~230 tokens, a new first block each time (so no prefix hits of its own)
-        return {"model": MODEL, "prompt": f"Story {i}. " + "Tell me about the history of the printing press. " * 21,
+    def filler(i: int) -> dict:  # ~600 tokens, a new first block each time (so no prefix hits of its own)
+        return {"model": MODEL, "prompt": f"Story {i}. " + "Tell me about the history of the printing press. " * 55,
                 "max_tokens": 1, "temperature": 0}
 
     def converse(srv, evict: bool) -> list[str]:
         messages = [{"role": "system", "content": "You are a concise assistant. " * 8}]
         replies = []
-        for i, question in enumerate(("What is a prime number?", "Give an example.", "Why is it prime?")):
-            messages.append({"role": "user", "content": question})
-            out = _complete(srv, {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0},
+        for i in range(20):
+            messages.append({"role": "user", "content": f"Name a number larger than {7 * i + 3}."})
+            out = _complete(srv, {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
                             "/v1/chat/completions")
             replies.append(out["choices"][0]["message"]["content"])
             messages.append({"role": "assistant", "content": replies[-1]})
@@ -302,7 +304,10 @@ def test_offloading_multi_turn_chat_hits_host_memory_with_the_same_text(servers)
     hits0 = _metric(small, "splitserve:kv_transfer_offload_hit_tokens_total")
     assert converse(small, evict=True) == converse(big, evict=False)
     assert _metric(small, "splitserve:kv_transfer_offload_saved_blocks_total") > 0
-    assert _metric(small, "splitserve:kv_transfer_offload_hit_tokens_total") - hits0 >= 2 * 16
+    # Every turn after the first finds the conversation so far in host memory: at least the system
+    # prompt's and the first turns' blocks, 19 times.
+    assert _metric(small, "splitserve:kv_transfer_offload_hit_tokens_total") - hits0 >= 19 * 3 * 16
+    assert _eventually(lambda: _metric(small, "splitserve:kv_cache_usage_perc") == 0)
 
 
 def test_tensor_parallel_prefill_to_one_rank_decode(tiny_model_dir):
