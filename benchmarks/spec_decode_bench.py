@@ -8,10 +8,16 @@ n-gram drafts on real text; one engine per process.
 Random-weight targets accept nothing from real drafters, so the first part uses an *oracle*: a first
 process runs the target with speculation off and saves each prompt's greedy continuation and the
 timings to a JSON file; a second process builds the speculating engine (method ngram, whose proposer
-is replaced) and proposes the saved continuation, each token kept with probability a and otherwise
-replaced by a wrong one (a draft run is accepted up to its first wrong token). The nominal acceptance
-length at k drafts is 1 + a + ... + a^k; a is solved for the asked length. Measured in the second
-process, one phase after another (the controller's estimates reset between phases):
+is replaced) and proposes the saved continuation. The verifier's acceptance is forced
+(layers/rejection_sampler.py's measurement hook, set per phase): each draft accepted with probability
+a, the token after the run the target's argmax; the nominal acceptance length at k drafts is
+1 + a + ... + a^k, a solved for the asked length. Forcing is needed because random weights give
+near-tied logits that a verify step rounds differently from a plain step (bf16): the target's own
+greedy text with speculation on soon leaves the saved one, and every replayed draft after that is
+wrong. Outputs of forced phases then differ from speculation off (`equal` is n/a). With
+`--no-force-accept` the old replay runs instead (each saved token kept with probability a, else
+replaced by a wrong one; the target's real greedy check decides). Measured in the second process, one
+phase after another (the controller's estimates reset between phases):
 
 - `verify/plain`: batch 1, adaptive off, a = 0 (every step verifies k + 1 tokens and emits one):
   its time per token over the plain decode step's (the first process's batch 1);
@@ -154,7 +160,11 @@ def role_oracle(args) -> dict:
     out = []
     for name, length, adaptive, batches in phases:
         a = 0.0 if name == "verify" else accept_rate(length, k)
-        runner.proposer = OracleProposer(k, a, conts, key)
+        if args.no_force_accept:
+            runner.proposer = OracleProposer(k, a, conts, key)
+        else:  # the saved continuation as is; the verifier accepts each draft with probability a
+            runner.proposer = OracleProposer(k, 1.0, conts, key)
+            runner.verifier.force_accept = a
         for b in batches:
             sched.spec_control = SpecController(replace(sched.spec, adaptive=adaptive))  # fresh estimates
             d0, a0, n0 = sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens, sched.spec_num_drafts
@@ -162,10 +172,12 @@ def role_oracle(args) -> dict:
             secs, tokens = timed(llm, prompts, greedy(args, args.max_tokens), args.repeats)
             drafts = sched.spec_num_drafts - n0
             measured = (sched.spec_num_accepted_tokens - a0) / drafts + 1 if drafts else float("nan")
-            same = sum(x == y for x, y in zip(tokens, ref[str(b)]["tokens"]))
+            # forced acceptance (a > 0) emits drafts the target did not choose: no equality to expect
+            forced = not args.no_force_accept and a > 0
+            same = None if forced else sum(x == y for x, y in zip(tokens, ref[str(b)]["tokens"]))
             row = {"phase": name, "length": length, "a": a, "adaptive": adaptive, "batch": b, "seconds": secs,
                    "measured_len": measured, "draft_tokens": sched.spec_num_draft_tokens - d0,
-                   "verifies": drafts, "equal": same}
+                   "verifies": drafts, "equal": same, "forced": not args.no_force_accept}
             out.append(row)
             print(f"[oracle] {row}", flush=True)
     return {"rows": out}
@@ -206,25 +218,27 @@ def report(args, off: dict | None, oracle: dict | None, text_off: dict | None, t
     print(f"\n## speculative decoding, k = {args.k} ({'tiny CPU model' if args.tiny else args.model}, {args.dtype})")
     if off and oracle:
         tps = {b: int(b) * args.max_tokens / v["seconds"] for b, v in off.items()}
-        print(f"{'measure':<44} {'off':>10} {'spec':>10} {'ratio':>7} {'meas. len':>9} {'equal':>7}")
+        print(f"{'measure':<44} {'off':>10} {'spec':>10} {'ratio':>7} {'meas. len':>9} {'equal':>7} {'drafts/v':>8}")
         for r in oracle["rows"]:
             b = r["batch"]
+            equal = "n/a" if r["equal"] is None else f"{r['equal']}/{b}"
+            per_verify = r["draft_tokens"] / r["verifies"] if r["verifies"] else float("nan")
             spec_tps = b * args.max_tokens / r["seconds"]
             if r["phase"] == "verify":
                 plain, verify = off[str(b)]["seconds"] / args.max_tokens, r["seconds"] / args.max_tokens
                 print(f"{'verify step (k+1 tokens/seq) / plain step, b=1':<44} {plain * 1e3:>8.2f}ms "
-                      f"{verify * 1e3:>8.2f}ms {verify / plain:>7.3f} {r['measured_len']:>9.2f} {r['equal']:>4}/{b}")
+                      f"{verify * 1e3:>8.2f}ms {verify / plain:>7.3f} {r['measured_len']:>9.2f} {equal:>7} {per_verify:>8.2f}")
                 continue
             label = f"tok/s, b={b}, acceptance length {r['length']:.1f} (a={r['a']:.2f})"
             print(f"{label:<44} {tps[str(b)]:>10.1f} {spec_tps:>10.1f} {spec_tps / tps[str(b)]:>7.3f} "
-                  f"{r['measured_len']:>9.2f} {r['equal']:>4}/{b}")
+                  f"{r['measured_len']:>9.2f} {equal:>7} {per_verify:>8.2f}")
     if text_off and text_on:
         n_off, n_on = sum(map(len, text_off["tokens"])), sum(map(len, text_on["tokens"]))
         t_off, t_on = n_off / text_off["seconds"], n_on / text_on["seconds"]
         same = sum(x == y for x, y in zip(text_off["tokens"], text_on["tokens"]))
         label = "default model, ngram, copy prompts, b=1, tok/s"
         print(f"{label:<44} {t_off:>10.1f} {t_on:>10.1f} {t_on / t_off:>7.3f} {text_on['measured_len']:>9.2f} "
-              f"{same:>4}/{len(text_off['tokens'])}")
+              f"{str(same) + '/' + str(len(text_off['tokens'])):>7}")
 
 
 def main() -> None:
@@ -239,6 +253,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="default 128 (24 with --tiny)")
     ap.add_argument("--accept-len", type=float, default=3.0)
     ap.add_argument("--low-accept-len", type=float, default=1.2)
+    ap.add_argument("--no-force-accept", action="store_true",
+                    help="oracle: let the target's greedy check decide (needs numerics that reproduce the saved text)")
     ap.add_argument("--text-prompts", type=int, default=None, help="default 4 (2 with --tiny)")
     ap.add_argument("--text-max-tokens", type=int, default=None, help="default 192 (32 with --tiny)")
     ap.add_argument("--max-model-len", type=int, default=1024)

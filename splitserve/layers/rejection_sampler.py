@@ -20,9 +20,18 @@ allowed tokens, temperature, top-k/p, min-p) by layers/sampler.py, renormalised 
 Output, per sequence: how many drafts were accepted (m) and the token after them (the correction or
 the bonus); its new tokens are x_1..x_m and that token. Per row, the token the row emitted (the draft
 where accepted, the correction at row m), for logprobs.
+
+Measurement hook (benchmarks only, off by default): with SPLITSERVE_SPEC_FORCE_ACCEPT=a set when the
+runner starts, each draft is accepted with probability a (a seeded draw, independent of the logits)
+instead of by the rules above; the token after the accepted run stays the target's (argmax for greedy
+rows). The verify compute, rollback and scheduling are those of real speculation, but the acceptance
+length is a known one whatever the numerics (random weights: near-tied logits that a verify step and a
+plain step round differently). Outputs then differ from speculation off.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +39,27 @@ import torch
 
 from splitserve.layers.sampler import Sampler, _to_device, token_logprobs
 from splitserve.layers.sampling_metadata import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+FORCE_ACCEPT_ENV = "SPLITSERVE_SPEC_FORCE_ACCEPT"
+
+
+def forced_acceptance(value: str | None = None) -> float | None:
+    """The forced acceptance rate of the measurement hook (default: from the environment), or None
+    (the normal case); a value that is not a number in [0, 1] is a ValueError at start-up."""
+    value = os.environ.get(FORCE_ACCEPT_ENV) if value is None else value
+    if not value:
+        return None
+    try:
+        a = float(value)
+    except ValueError:
+        a = -1.0
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"{FORCE_ACCEPT_ENV}: expected an acceptance rate in [0, 1], got {value!r}")
+    logger.warning("speculative acceptance is forced (%s=%s): a measurement hook, outputs are not the "
+                   "model's", FORCE_ACCEPT_ENV, value)
+    return a
 
 
 @dataclass
@@ -74,8 +104,18 @@ def _uniforms(num_rows: int, meta: SamplingMetadata, device: torch.device) -> to
 
 
 class RejectionSampler:
-    def __init__(self, sampler: Sampler | None = None):
+    def __init__(self, sampler: Sampler | None = None, force_accept: float | None = None):
         self.sampler = sampler or Sampler()
+        # The measurement hook (module docstring): None unless asked; benchmarks may set it between runs.
+        self.force_accept = force_accept
+        self._force_generator: torch.Generator | None = None
+
+    def _forced(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """[R] each row accepted with probability force_accept, from one generator seeded at first use."""
+        if self._force_generator is None:
+            self._force_generator = torch.Generator(device=device)
+            self._force_generator.manual_seed(0)
+        return torch.rand(num_rows, generator=self._force_generator, device=device) < self.force_accept
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout,
                  draft_probs: torch.Tensor | None = None) -> VerifyOutput:
@@ -110,6 +150,8 @@ class RejectionSampler:
             greedy = _to_device(meta.greedy, device)
             accept = torch.where(greedy, (target == draft) & has_draft, accept)
             correction = torch.where(greedy, target, correction)
+        if self.force_accept is not None:
+            accept = self._forced(R, device) & has_draft
 
         # Per sequence: the accepted prefix of its drafts ([S, k] gathered, padded with a row that rejects).
         S = len(layout.num_drafts)

@@ -20,7 +20,7 @@ from splitserve.attention.registry import get_backend
 from splitserve.config import EngineConfig, resolve_kv_cache_dtype
 from splitserve.protocol.sched_output import SchedulerOutput
 from splitserve.layers.linear import cheaper_at_one_row
-from splitserve.layers.rejection_sampler import RejectionSampler, VerifyLayout
+from splitserve.layers.rejection_sampler import RejectionSampler, VerifyLayout, forced_acceptance
 from splitserve.layers.sampler import Sampler, SamplingMetadata
 from splitserve.models.interfaces import capabilities_of
 from splitserve.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -150,7 +150,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Speculative decoding (worker/spec_decode.py): the drafts' proposer and their verifier.
         self.spec = config.speculative
-        self.verifier = RejectionSampler(self.sampler) if self.spec is not None else None
+        # forced_acceptance(): a benchmark-only hook, None unless SPLITSERVE_SPEC_FORCE_ACCEPT is set
+        self.verifier = RejectionSampler(self.sampler, forced_acceptance()) if self.spec is not None else None
         self.proposer = None
         if self.spec is not None and self.spec.method == "ngram":
             self.proposer = NgramProposer(self.spec.num_speculative_tokens, self.spec.prompt_lookup_min,

@@ -113,3 +113,22 @@ def test_seeded_rows_repeat_and_ignore_the_batch():
         return out.num_accepted[0].item(), out.next_token[0].item()
 
     assert len({run(k) for k in (0, 1, 5)}) == 1
+
+
+def test_forced_acceptance_hook():
+    """The benchmarks' measurement hook: a rate in [0, 1] or a start-up ValueError; on, drafts are
+    accepted by a seeded draw (a = 1: all, a = 0: none), the token after them still the argmax."""
+    from splitserve.layers.rejection_sampler import forced_acceptance
+    assert forced_acceptance("") is None and forced_acceptance("0.5") == 0.5
+    for bad in ("1.5", "-0.1", "often"):
+        with pytest.raises(ValueError, match="SPLITSERVE_SPEC_FORCE_ACCEPT"):
+            forced_acceptance(bad)
+    argmaxes = [3, 4, 7, 1, 6, 8]
+    logits = torch.full((len(argmaxes), 10), -1.0)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    layout = VerifyLayout.build([[9, 9, 9], [2]])
+    meta = expand_metadata(_meta(2, True), layout.num_drafts + 1)
+    out = RejectionSampler(force_accept=1.0)(logits, meta, layout)
+    assert out.num_accepted.tolist() == [3, 1] and out.next_token.tolist() == [1, 8]
+    out = RejectionSampler(force_accept=0.0)(logits, meta, layout)
+    assert out.num_accepted.tolist() == [0, 0] and out.next_token.tolist() == [3, 6]

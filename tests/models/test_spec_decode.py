@@ -267,3 +267,48 @@ def test_tiny_draft_model_greedy_equals_speculation_off(tiny_dir, tiny_draft_dir
     assert llm.engine.kv_manager.pool.is_whole()
     if variant == "async_preempt":
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+# -- the benchmarks' measurement hook: forced acceptance --------------------------------------------
+class _FixedDrafts:
+    """Always k drafts (token 3): every verify carries k unless max_tokens trims it."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose_many(self, token_ids, rows, lengths):
+        return [[3] * self.k for _ in range(len(rows))]
+
+
+def _forced_run(tiny_dir, prompts, params):
+    llm = LLM(tiny_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+              **dict(TINY, max_model_len=256))
+    llm.engine.core.executor.runner.proposer = _FixedDrafts(4)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    s = llm.engine.core.scheduler
+    return llm, [o.outputs[0].token_ids for o in outs], s.spec_num_accepted_tokens / s.spec_num_drafts + 1
+
+
+def test_forced_acceptance_gives_the_set_length_and_off_changes_nothing(tiny_dir, monkeypatch):
+    """SPLITSERVE_SPEC_FORCE_ACCEPT=a (layers/rejection_sampler.py): each draft accepted with
+    probability a, so at k = 4 and a = 0.74 the acceptance length is 1 + a + ... + a^4 = 2.99 whatever
+    the drafts (here a constant token the target rarely picks). ~1000 verifies: the mean's standard
+    error is ~0.05; max_tokens trims the last drafts of each sequence (a small downward bias); the draw
+    is seeded, so the check is deterministic. With the variable unset the hook is absent and greedy
+    tokens equal speculation off."""
+    prompts = [{"prompt_token_ids": [1, 2 + i % 13, 5, 7 + i % 5]} for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    off = [o.outputs[0].token_ids for o in LLM(tiny_dir, **dict(TINY, max_model_len=256)).generate(
+        prompts, params, use_tqdm=False)]
+
+    monkeypatch.delenv("SPLITSERVE_SPEC_FORCE_ACCEPT", raising=False)
+    llm, tokens, _ = _forced_run(tiny_dir, prompts, params)
+    assert llm.engine.core.executor.runner.verifier.force_accept is None
+    assert tokens == off
+
+    monkeypatch.setenv("SPLITSERVE_SPEC_FORCE_ACCEPT", "0.74")
+    llm, tokens, length = _forced_run(tiny_dir, prompts, params)
+    nominal = sum(0.74 ** j for j in range(5))
+    assert abs(length - nominal) < 0.15, (length, nominal)
+    assert all(len(t) == 200 for t in tokens) and tokens != off  # forced drafts are emitted
+    assert llm.engine.kv_manager.pool.is_whole()
