@@ -454,10 +454,13 @@ class GrammarProcessManager:
             self._sent = None
             self._stale["filled"] += 1
 
-    def fill_bitmask(self, requests: list) -> torch.Tensor:
-        """The masks of `requests` now (row i for requests[i]), in memory of their own."""
+    def fill_bitmask(self, requests: list, drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """The masks of `requests` now (row i for requests[i]), in memory of their own. Draft rows
+        (speculative decoding) only inline: with speculation the matchers live in the core's process."""
         if self._inline is not None:
-            return self._inline.fill_bitmask(requests)
+            return self._inline.fill_bitmask(requests, drafts)
+        if drafts:
+            raise RuntimeError("grammar masks for draft tokens need the in-process matchers (speculative decoding)")
         self.queue_fill(requests)
         self.send_fill()
         return self.take_fill().clone()
