@@ -104,10 +104,11 @@ def prefix_counters(url: str, labels: dict) -> tuple[float, float]:
 
 
 def test_system_prompts_stick_to_one_replica_and_hit_as_often_as_one_engine(dp_server, server):
-    prompts = [user_turn(k, j) for j in range(40) for k in range(8)]  # the prompts interleaved
+    turns = 20
+    prompts = [user_turn(k, j) for j in range(turns) for k in range(8)]  # the prompts interleaved
     where: dict[int, list[int]] = {k: [] for k in range(8)}
     h0, q0 = prefix_counters(dp_server.url, {"engine": "all"})
-    for j in range(0, 40, 2):  # two requests of one prompt at a time, to see which replica took them
+    for j in range(0, turns, 2):  # two requests of one prompt at a time, to see which replica took them
         before = routed(dp_server)
         for k in range(8):
             complete_all(dp_server.url, [user_turn(k, j), user_turn(k, j + 1)], 1)
@@ -116,8 +117,8 @@ def test_system_prompts_stick_to_one_replica_and_hit_as_often_as_one_engine(dp_s
             before = after
     h1, q1 = prefix_counters(dp_server.url, {"engine": "all"})
     for k, replicas in where.items():
-        assert len(replicas) == 40
-        assert max(replicas.count(0), replicas.count(1)) >= 36, (k, replicas)
+        assert len(replicas) == turns
+        assert max(replicas.count(0), replicas.count(1)) >= 0.9 * turns, (k, replicas)
     # the same workload on one engine (the shared DP=1 server of the e2e suite)
     s0, t0 = prefix_counters(server.url, {})
     complete_all(server.url, prompts, 1)
