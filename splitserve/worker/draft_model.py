@@ -97,6 +97,17 @@ class DraftModelProposer:
             out[start:start + len(q), :q.shape[1]] = q
         return out
 
+    def draw(self, logits: torch.Tensor, meta_s, dev) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row: the argmax for greedy rows, a draw from the row's processed
+        distribution q otherwise (q returned for the rejection sampler; None when all are greedy)."""
+        if meta_s.all_greedy:
+            return logits.argmax(dim=-1), None
+        processed, _ = self.sampler.process(logits, meta_s)
+        q = self.sampler.probs(processed, meta_s)
+        q = q / q.sum(dim=-1, keepdim=True)
+        return torch.where(torch.from_numpy(meta_s.greedy).to(dev), processed.argmax(dim=-1),
+                           self.sampler.race(q, meta_s)), q
+
     @torch.inference_mode()
     def propose(self, ib: InputBatch, states: list[CachedRequestState]) -> dict[str, list[int]]:
         states = [s for s in states if s.row >= 0 and s.sampling_params.allows_speculation]
@@ -133,14 +144,8 @@ class DraftModelProposer:
                 with forward_context(ForwardContext(meta, self.backend)):
                     hidden = self.model(tokens, positions)
                 logits = self.model.compute_logits(hidden)
-            if meta_s.all_greedy:
-                tokens = logits.argmax(dim=-1)
-            else:
-                processed, _ = self.sampler.process(logits, meta_s)
-                q = self.sampler.probs(processed, meta_s)
-                q = q / q.sum(dim=-1, keepdim=True)
-                tokens = torch.where(torch.from_numpy(meta_s.greedy).to(dev), processed.argmax(dim=-1),
-                                     self.sampler.race(q, meta_s))
+            tokens, q = self.draw(logits, meta_s, dev)
+            if q is not None:
                 qs.append(q)
             out.append(tokens)
         drafts = torch.stack(out, 1).tolist()

@@ -222,21 +222,15 @@ class EagleProposer(DraftModelProposer):
         out, qs = [], []
         logits = self.head.compute_logits(x)
         for j in range(k):
-            if meta_s.all_greedy:
-                tokens = logits.argmax(dim=-1)
-                if to_target is not None:
-                    tokens = to_target[tokens]
-            else:
-                if to_target is not None:  # the target's vocabulary: -inf where the head has no token
-                    full = logits.new_full((S, self.vocab_size), float("-inf"))
-                    full[:, to_target] = logits
-                    logits = full
-                processed, _ = self.sampler.process(logits, meta_s)
-                q = self.sampler.probs(processed, meta_s)
-                q = q / q.sum(dim=-1, keepdim=True)
-                tokens = torch.where(torch.from_numpy(meta_s.greedy).to(dev), processed.argmax(dim=-1),
-                                     self.sampler.race(q, meta_s))
+            if to_target is not None and not meta_s.all_greedy:
+                full = logits.new_full((S, self.vocab_size), float("-inf"))  # the target's vocabulary:
+                full[:, to_target] = logits                                  # -inf where the head has none
+                logits = full
+            tokens, q = self.draw(logits, meta_s, dev)
+            if q is not None:
                 qs.append(q)
+            elif to_target is not None:
+                tokens = to_target[tokens]  # greedy over the draft vocabulary
             out.append(tokens)
             if j == k - 1:
                 break
