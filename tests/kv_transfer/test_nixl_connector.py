@@ -21,16 +21,7 @@ except ImportError:
 
 from splitserve.kv_transfer.nixl import NixlConnector  # noqa: E402
 
-BS = 4
-
-
-def pool(num_blocks=16, layers=2, heads=2, dim=8, dtype=torch.float32, block_size=BS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return KVPool([torch.randn(num_blocks, 2, block_size, heads, dim, generator=g).to(dtype) for _ in range(layers)])
-
-
-def blocks_of(p: KVPool, ids):
-    return torch.stack([c[ids] for c in p.caches], dim=1)
+from tests.kv_transfer.test_connectors import BS, blocks_of, pool  # noqa: E402  (the same small pools)
 
 
 def poll_until(conns, check, timeout=10.0):
