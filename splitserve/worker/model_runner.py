@@ -30,7 +30,8 @@ from splitserve.worker.prompt_logprobs import (PromptLogprobsPlan, compute_promp
 from splitserve.worker.sampling_metadata import build_sampling_metadata
 from splitserve.worker.spec_decode import (NgramProposer, collect_verified, expand_metadata, propose_drafts,
                                           write_drafts)
-from splitserve.worker.warm_up import warm_up_batch, warm_up_layouts  # noqa: F401 (also imported from here)
+from splitserve.worker.warm_up import (  # noqa: F401 (also imported from here)
+    compile_decoder_layers, supports_piecewise, warm_up_batch, warm_up_layouts)
 
 logger = logging.getLogger(__name__)
 
@@ -82,26 +83,6 @@ class InFlightStep:
     drafts: list[list[int]] | None = None
     propose: bool = False  # drafts are proposed from its tokens at collect
     eagle: object = None  # worker.eagle_head.EagleStep: the target's features for the head, filled at collect
-
-
-def compile_decoder_layers(model: torch.nn.Module) -> None:
-    """torch.compile (Inductor) of the batchful halves of each decoder layer, before and after its
-    attention op. The token count is dynamic; all layers share one graph per half (same code,
-    weights passed as inputs), so compilation happens once. Dynamic shapes specialise a size of 1:
-    a one-token input compiles a second graph per half, which happens only where the decode graphs
-    include batch size 1 (ModelRunner.decode_graph_sizes): other one-token steps are padded (decode
-    graphs of 2, piecewise buckets) and the warm-up runs none."""
-    # Several engines in one process (tests, benchmarks) each add a graph or two; never fail on that.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for layer in model.layers:
-        layer.attn_inputs = torch.compile(layer.attn_inputs, dynamic=True, fullgraph=True)
-        layer.attn_outputs = torch.compile(layer.attn_outputs, dynamic=True, fullgraph=True)
-
-
-def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm
-    (models/interfaces.SupportsPiecewise, checked once per model)."""
-    return capabilities_of(model).piecewise
 
 
 @dataclass

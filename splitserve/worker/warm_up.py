@@ -1,10 +1,13 @@
-"""The start-up warm-up's step layouts: every query-length class of the attention kernel, run once
-so that compilation happens at start-up (ModelRunner._warm_up_eager, startup/kernel_precompile.py)."""
+"""What the fast path compiles at start-up: the decoder layers' halves (Inductor), whether a model
+takes piecewise graphs, and the warm-up's step layouts, every query-length class of the attention
+kernel run once so that compilation happens at start-up (ModelRunner._warm_up_eager,
+startup/kernel_precompile.py)."""
 from __future__ import annotations
 
 import torch
 
 from splitserve.attention.backend import AttentionMetadata
+from splitserve.models.interfaces import capabilities_of
 
 
 def warm_up_layouts(budget: int, block_size: int) -> list[tuple[int, int, int]]:
@@ -36,3 +39,23 @@ def warm_up_batch(num_seqs: int, q_len: int, context: int, block_size: int,
         seq_lens_cpu=torch.full((num_seqs,), seq_len, dtype=torch.int32))
     positions = context + torch.arange(total, device=device) % q_len
     return meta, positions
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """torch.compile (Inductor) of the batchful halves of each decoder layer, before and after its
+    attention op. The token count is dynamic; all layers share one graph per half (same code,
+    weights passed as inputs), so compilation happens once. Dynamic shapes specialise a size of 1:
+    a one-token input compiles a second graph per half, which happens only where the decode graphs
+    include batch size 1 (ModelRunner.decode_graph_sizes): other one-token steps are padded (decode
+    graphs of 2, piecewise buckets) and the warm-up runs none."""
+    # Several engines in one process (tests, benchmarks) each add a graph or two; never fail on that.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in model.layers:
+        layer.attn_inputs = torch.compile(layer.attn_inputs, dynamic=True, fullgraph=True)
+        layer.attn_outputs = torch.compile(layer.attn_outputs, dynamic=True, fullgraph=True)
+
+
+def supports_piecewise(model: torch.nn.Module) -> bool:
+    """Piecewise graphs need the text model's structure: embed + start, layers split at attention, norm
+    (models/interfaces.SupportsPiecewise, checked once per model)."""
+    return capabilities_of(model).piecewise
